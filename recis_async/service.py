@@ -1,0 +1,33 @@
+"""The contract between the bus and its background services (writers, trackers, savers)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["Service"]
+
+
+@runtime_checkable
+class Service(Protocol):
+    """A long-running background component owned by a :class:`~recis_async.HookBus`.
+
+    A hook starts one from :meth:`Hook.attach` with ``bus.start_service(service)``.  The bus
+    runs :meth:`run` as a task of its task group; when ``run`` raises, the error surfaces as
+    :class:`~recis_async.HookError` at the next ``publish`` or at close.
+
+    At close the bus calls :meth:`aclose` on every service in reverse order of start, shielded
+    from cancellation.  ``deadline`` is an absolute time on :func:`anyio.current_time`'s clock
+    shared by all services (``flush_timeout`` from the start of close).  ``aclose`` stops
+    intake, finishes what it holds, and returns by ``deadline``; what it cannot deliver in time
+    it keeps safe (a spill file, say) and reports by raising.  After ``aclose`` returned,
+    ``run`` must return too.
+    """
+
+    name: str
+
+    async def run(self) -> None: ...
+
+    async def aclose(self, deadline: float) -> None: ...
+
+    def stats(self) -> Mapping[str, Any]: ...
