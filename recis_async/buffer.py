@@ -1,0 +1,168 @@
+"""A byte-accounted column buffer that validates each step's trace and seals immutable batches.
+
+:class:`ColumnBuffer` checks a step's columns against the declared ``fields``/``types``
+before keeping anything of it, so a bad step fails at the ``publish`` that carried it and
+leaves the buffer exactly as it was.  Accepted steps are kept as per-step :class:`Column`
+chunks (one copy of the caller's data, no concatenation) and their size is counted exactly
+in bytes.  :meth:`ColumnBuffer.seal` hands them over as a :class:`Batch`: frozen, with
+read-only arrays, numbered by ``seq`` -- the unit a writer delivers, retries and spills.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+import msgspec
+import pyarrow as pa
+
+from .schema import Column, OdpsType, arrow_schema, convert, from_arrow, parse_schema, to_arrow
+
+__all__ = ["Batch", "ColumnBuffer"]
+
+
+class Batch(msgspec.Struct, frozen=True, kw_only=True):
+    """An immutable run of trace rows: what a sink writes in one atomic unit.
+
+    ``columns[i]`` holds the chunks of ``fields[i]`` in row order; every field has ``rows``
+    rows in total.  ``nbytes`` is the exact size of all arrays held.
+    """
+
+    seq: int
+    rows: int
+    nbytes: int
+    fields: tuple[str, ...]
+    types: tuple[OdpsType, ...]
+    columns: tuple[tuple[Column, ...], ...]
+
+    @property
+    def schema(self) -> pa.Schema:
+        return arrow_schema(self.fields, self.types)
+
+    def to_arrow(self) -> pa.Table:
+        """The rows as an Arrow table (one record batch per buffered step, no data copy)."""
+        arrays = [
+            pa.chunked_array([to_arrow(c, t) for c in chunks], type=t.arrow_type)
+            for chunks, t in zip(self.columns, self.types)
+        ]
+        return pa.Table.from_arrays(arrays, schema=self.schema)
+
+    @classmethod
+    def from_arrow(
+        cls, table: pa.Table, *, seq: int, fields: Sequence[str], types: Sequence[str]
+    ) -> Batch:
+        """Rebuild a batch from an Arrow table holding ``fields`` (used by spill replay)."""
+        names, parsed = parse_schema(fields, types)
+        missing = [f for f in names if f not in table.column_names]
+        if missing:
+            raise ValueError(f"arrow table: missing field(s) {missing}, got {table.column_names}")
+        columns = tuple((from_arrow(table.column(f), t),) for f, t in zip(names, parsed))
+        nbytes = sum(c.nbytes for chunks in columns for c in chunks)
+        return cls(
+            seq=seq, rows=table.num_rows, nbytes=nbytes, fields=names, types=parsed, columns=columns
+        )
+
+
+class ColumnBuffer:
+    """Validated, byte-counted rows waiting to be sealed into a :class:`Batch`.
+
+    Not thread-safe: it lives on the event loop with the hook that feeds it.
+    """
+
+    def __init__(self, fields: Sequence[str], types: Sequence[str]) -> None:
+        self.fields, self.types = parse_schema(fields, types)
+        self._index = {name: i for i, name in enumerate(self.fields)}
+        self._chunks: list[list[Column]] = [[] for _ in self.fields]
+        self._rows = 0
+        self._nbytes = 0
+        self._steps = 0
+        self._first_at: float | None = None
+        self._next_seq = 0
+
+    @property
+    def rows(self) -> int:
+        return self._rows
+
+    @property
+    def nbytes(self) -> int:
+        """Exact bytes held by the buffered columns."""
+        return self._nbytes
+
+    @property
+    def steps(self) -> int:
+        return self._steps
+
+    @property
+    def next_seq(self) -> int:
+        """The ``seq`` the next sealed batch will carry."""
+        return self._next_seq
+
+    def age(self, now: float | None = None) -> float:
+        """Seconds since the oldest buffered row arrived (0.0 when empty)."""
+        if self._first_at is None:
+            return 0.0
+        return (time.monotonic() if now is None else now) - self._first_at
+
+    def validate(self, trace: Mapping[str, object]) -> tuple[tuple[Column, ...], int]:
+        """Convert a step's ``trace`` into one column per declared field, in order.
+
+        Raises ``ValueError`` naming the field, what was expected and what arrived when a
+        declared field is missing, an undeclared one is present, a value cannot be
+        converted to its type, or the fields disagree on the number of rows.
+        """
+        names = set(trace)
+        missing = [f for f in self.fields if f not in names]
+        extra = sorted(n for n in names if n not in self._index)
+        if missing or extra:
+            parts = []
+            if missing:
+                parts.append("missing " + ", ".join(repr(f) for f in missing))
+            if extra:
+                parts.append("undeclared " + ", ".join(repr(str(f)) for f in extra))
+            raise ValueError(
+                f"trace does not match the declared fields: {'; '.join(parts)} "
+                f"(declared: {', '.join(self.fields)})"
+            )
+        columns = tuple(convert(f, t, trace[f]) for f, t in zip(self.fields, self.types))
+        rows = columns[0].rows
+        if any(c.rows != rows for c in columns):
+            counts = ", ".join(f"{f}={c.rows}" for f, c in zip(self.fields, columns))
+            raise ValueError(
+                f"trace fields must have the same number of rows: expected {rows} rows "
+                f"(from {self.fields[0]!r}) in every field, got {counts}"
+            )
+        return columns, rows
+
+    def append(self, trace: Mapping[str, object]) -> int:
+        """Validate and keep a step's trace; all or nothing.  Returns the rows added."""
+        if not trace:
+            return 0
+        columns, rows = self.validate(trace)
+        if rows == 0:
+            return 0
+        for chunks, column in zip(self._chunks, columns):
+            chunks.append(column)
+        self._rows += rows
+        self._nbytes += sum(c.nbytes for c in columns)
+        self._steps += 1
+        if self._first_at is None:
+            self._first_at = time.monotonic()
+        return rows
+
+    def seal(self) -> Batch | None:
+        """Hand over everything buffered as a :class:`Batch` and start empty (None if empty)."""
+        if not self._rows:
+            return None
+        batch = Batch(
+            seq=self._next_seq,
+            rows=self._rows,
+            nbytes=self._nbytes,
+            fields=self.fields,
+            types=self.types,
+            columns=tuple(tuple(chunks) for chunks in self._chunks),
+        )
+        self._next_seq += 1
+        self._chunks = [[] for _ in self.fields]
+        self._rows = self._nbytes = self._steps = 0
+        self._first_at = None
+        return batch
