@@ -1,0 +1,204 @@
+"""ParquetSink: trace batches as Parquet files in ODPS-like partition folders.
+
+Layout: ``root/table/k=v[/k2=v2]/part-<rank>-<seq>.parquet`` (Hive-style folders, so
+``pyarrow.dataset`` and ``pandas.read_parquet`` restore the partition keys as columns).
+Each batch is one file.  It is written under a temporary dot-name (ignored by readers),
+flushed to disk, then published under its final name with a no-replace link, so a reader
+never sees half a file and a file already in the folder is never overwritten: ``<seq>``
+continues after the highest part number this rank already has there.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import threading
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..buffer import Batch
+from ..schema import OdpsType
+from .base import Attempt, SinkError, parse_partition
+
+__all__ = ["ParquetSink"]
+
+logger = logging.getLogger(__name__)
+
+_PERMANENT_ERRNOS = frozenset(
+    {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG}
+)
+
+
+def _current_rank() -> int:
+    try:
+        from .. import dist  # type: ignore[attr-defined]
+    except ImportError:
+        return int(os.environ.get("RANK", "0") or 0)
+    rank: int = dist.get_rank()
+    return rank
+
+
+class ParquetSink:
+    """Write each batch as one Parquet file under ``root/table/<partition folders>``.
+
+    ``partition``: ``"dt=20261122"``, ``"dt=20261122,hour=10"`` or a mapping.
+    ``rank``: the number in file names; by default :func:`recis_async.dist.get_rank` when
+    the sink opens.  ``compression``/``use_dictionary`` are passed to
+    :func:`pyarrow.parquet.write_table` (the defaults favour throughput).  ``fsync``: flush
+    each file and its folder to disk before counting it as delivered.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        table: str,
+        partition: str | Mapping[str, object] | None = None,
+        *,
+        rank: int | None = None,
+        compression: str = "snappy",
+        use_dictionary: bool = False,
+        fsync: bool = True,
+    ) -> None:
+        if not isinstance(table, str) or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", table):
+            raise ValueError(
+                f"table: expected a name of letters, digits, '_', '-' or '.', got {table!r}"
+            )
+        if rank is not None and (type(rank) is not int or rank < 0):
+            raise ValueError(f"rank: expected an int >= 0 or None, got {rank!r}")
+        self._root = Path(root)
+        self._table = table
+        self._partition = parse_partition(partition)
+        self._rank = rank
+        self._write_options: dict[str, Any] = {
+            "compression": compression,
+            "use_dictionary": use_dictionary,
+        }
+        self._fsync = fsync
+        self._lock = threading.Lock()
+        self._next_seq = 0
+        self._opened_rank: int | None = None
+
+    @property
+    def directory(self) -> Path:
+        """The folder the part files go to."""
+        return self._root.joinpath(self._table, *(f"{k}={v}" for k, v in self._partition))
+
+    @property
+    def name(self) -> str:
+        return f"parquet:{self.directory}"
+
+    def __repr__(self) -> str:
+        return f"ParquetSink({str(self._root)!r}, {self._table!r}, partition={self._partition!r})"
+
+    def open(self, fields: tuple[str, ...], types: tuple[OdpsType, ...]) -> None:
+        rank = _current_rank() if self._rank is None else self._rank
+        directory = self.directory
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            pattern = re.compile(rf"part-{rank}-(\d+)\.parquet\Z")
+            taken = [int(m.group(1)) for p in os.listdir(directory) if (m := pattern.match(p))]
+        except OSError as exc:
+            raise self._error(exc, f"cannot prepare {directory}") from None
+        with self._lock:
+            self._opened_rank = rank
+            self._next_seq = max(taken, default=-1) + 1
+
+    def write(self, batch: Batch, attempt: Attempt) -> None:
+        """Write ``batch`` as one new part file (the in-doubt token is its final path)."""
+        rank = self._opened_rank
+        if rank is None:
+            raise SinkError(f"{self.name}: write before open", transient=False)
+        if attempt.token is not None:
+            if _published(attempt.token):
+                logger.info("%s: batch %d already published (%s)", self.name, batch.seq, attempt.token)
+                return
+            attempt.resolve()
+        directory = self.directory
+        tmp = directory / f".part-{rank}-{uuid.uuid4().hex}.parquet.tmp"
+        try:
+            try:
+                pq.write_table(batch.to_arrow(), str(tmp), **self._write_options)
+                if self._fsync:
+                    _fsync_path(tmp)
+                final = self._publish(tmp, rank, attempt)
+            finally:
+                tmp.unlink(missing_ok=True)
+        except OSError as exc:
+            raise self._error(exc, f"cannot write batch {batch.seq}") from None
+        except (pa.ArrowException, ValueError, TypeError) as exc:
+            raise SinkError(
+                f"{self.name}: cannot write batch {batch.seq}: {exc}", transient=False
+            ) from None
+        if self._fsync:
+            try:
+                _fsync_path(directory)
+            except OSError as exc:  # the file is visible already; durability is best effort
+                logger.warning("%s: fsync of %s failed after publishing: %s", self.name, directory, exc)
+        logger.debug("%s: batch %d (%d rows) -> %s", self.name, batch.seq, batch.rows, final.name)
+
+    def close(self) -> None:
+        """Nothing to release: every write is complete when it returns."""
+
+    def _publish(self, tmp: Path, rank: int, attempt: Attempt) -> Path:
+        """Give ``tmp`` the next free final name without ever replacing a file.
+
+        The in-doubt token names the final path and the temporary file's inode, so only a
+        file that is this very one counts as published when the doubt is settled.
+        """
+        inode = os.stat(tmp).st_ino
+        with self._lock:
+            while True:
+                final = tmp.parent / f"part-{rank}-{self._next_seq}.parquet"
+                self._next_seq += 1
+                if not attempt.commit(f"{final}{_INODE_SEP}{inode}"):
+                    attempt.resolve()
+                    raise SinkError(f"{self.name}: write abandoned by the writer", transient=False)
+                try:
+                    os.link(tmp, final)
+                    return final
+                except FileExistsError:
+                    continue
+                except OSError as exc:
+                    if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EMLINK):
+                        attempt.resolve()
+                        raise
+                # no hard links on this file system: check-then-rename under our lock
+                if final.exists():
+                    continue
+                try:
+                    os.rename(tmp, final)
+                except OSError:
+                    attempt.resolve()
+                    raise
+                return final
+
+    def _error(self, exc: OSError, what: str) -> SinkError:
+        transient = exc.errno not in _PERMANENT_ERRNOS
+        return SinkError(f"{self.name}: {what}: {exc}", transient=transient)
+
+
+_INODE_SEP = "#inode="
+
+
+def _published(token: str) -> bool:
+    """Whether the file named by an in-doubt token exists and is the one we linked."""
+    path, _, inode = token.rpartition(_INODE_SEP)
+    try:
+        return path != "" and os.stat(path).st_ino == int(inode)
+    except (OSError, ValueError):
+        return False
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
