@@ -261,7 +261,7 @@ class Trainer:
                     batch = next(it)
                 except StopIteration:
                     await bus.publish(at(OutOfData))
-                    await self._agree(bus, _END_EPOCH)
+                    await self._agree(bus, _END_EPOCH, at.global_step)
                     return
                 await bus.publish(at(AfterData))
                 loss = _check_loss(self.model(batch))
@@ -276,10 +276,10 @@ class Trainer:
             except Exception:
                 await self._agree_failed(bus)
                 raise
-            if await self._agree(bus, _CONTINUE) != _CONTINUE or bus.should_stop:
+            if await self._agree(bus, _CONTINUE, at.global_step) != _CONTINUE or bus.should_stop:
                 return
 
-    async def _agree(self, bus: HookBus, mine: int) -> int:
+    async def _agree(self, bus: HookBus, mine: int, step: int) -> int:
         """Agree with every rank at the step boundary (distributed runs only).
 
         Each rank offers ``_CONTINUE``, ``_END_EPOCH`` (out of data) or ``_STOP`` (its bus
@@ -295,12 +295,12 @@ class Trainer:
                 dist.all_reduce_max,
                 [mine, 0],
                 timeout=self.args.collective_timeout,
-                what=f"the stop agreement after global_step {self.global_step}",
+                what=f"the stop agreement at global_step {step}",
             )
         )
         if failed:
             raise RuntimeError(
-                f"rank {failed - 1} failed near global_step {self.global_step}; "
+                f"rank {failed - 1} failed in the step at global_step {step}; "
                 f"rank {bus.rank} stops with it"
             )
         if decision == _STOP and not bus.should_stop:
