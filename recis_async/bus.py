@@ -292,20 +292,7 @@ class HookBus:
         with anyio.CancelScope(shield=True):
             deadline = anyio.current_time() + (0.0 if self._hurry else self.flush_timeout)
             if not self._end_published:
-                if self._signal is not None and (
-                    exc is None or isinstance(exc, anyio.get_cancelled_exc_class())
-                ):
-                    status = "preempted"
-                elif exc is None:
-                    status = "ok"
-                elif isinstance(exc, anyio.get_cancelled_exc_class()):
-                    status = "cancelled"
-                else:
-                    status = "failed"
-                    await self._dispatch(
-                        Error(exc_type=type(exc).__qualname__, message=str(exc)), errors
-                    )
-                await self._dispatch(End(status=status), errors)  # type: ignore[arg-type]
+                await self._publish_end(exc, deadline, errors)
             for service in reversed(self._services):
                 await self._close_service(service, deadline, errors)
         errors.extend(self._failures)
@@ -313,6 +300,34 @@ class HookBus:
         self._collector.open = False
         self._state = "closed"
         return errors
+
+    async def _publish_end(
+        self, exc: BaseException | None, deadline: float, errors: list[HookError]
+    ) -> None:
+        """``Error`` (if the body raised) then ``End``, both under the close deadline."""
+        cancelled = isinstance(exc, anyio.get_cancelled_exc_class())
+        if self._signal is not None and (exc is None or cancelled):
+            status = "preempted"
+        elif exc is None:
+            status = "ok"
+        elif cancelled:
+            status = "cancelled"
+        else:
+            status = "failed"
+        with anyio.CancelScope(deadline=deadline) as scope:
+            if status == "failed":
+                assert exc is not None
+                error = Error(exc_type=type(exc).__qualname__, message=str(exc))
+                await self._dispatch(error, errors)
+            await self._dispatch(End(status=status), errors)  # type: ignore[arg-type]
+        if scope.cancelled_caught:
+            errors.append(
+                HookError(
+                    f"End subscribers did not finish within flush_timeout={self.flush_timeout}s",
+                    subscriber="End",
+                    event="End",
+                )
+            )
 
     async def _close_service(
         self, service: Service, deadline: float, errors: list[HookError]
