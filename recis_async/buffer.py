@@ -43,7 +43,7 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True):
         """The rows as an Arrow table (one record batch per buffered step, no data copy)."""
         arrays = [
             pa.chunked_array([to_arrow(c, t) for c in chunks], type=t.arrow_type)
-            for chunks, t in zip(self.columns, self.types)
+            for chunks, t in zip(self.columns, self.types, strict=True)
         ]
         return pa.Table.from_arrays(arrays, schema=self.schema)
 
@@ -56,7 +56,8 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True):
         missing = [f for f in names if f not in table.column_names]
         if missing:
             raise ValueError(f"arrow table: missing field(s) {missing}, got {table.column_names}")
-        columns = tuple((from_arrow(table.column(f), t),) for f, t in zip(names, parsed))
+        pairs = zip(names, parsed, strict=True)
+        columns = tuple((from_arrow(table.column(f), t),) for f, t in pairs)
         nbytes = sum(c.nbytes for chunks in columns for c in chunks)
         return cls(
             seq=seq, rows=table.num_rows, nbytes=nbytes, fields=names, types=parsed, columns=columns
@@ -123,10 +124,11 @@ class ColumnBuffer:
                 f"trace does not match the declared fields: {'; '.join(parts)} "
                 f"(declared: {', '.join(self.fields)})"
             )
-        columns = tuple(convert(f, t, trace[f]) for f, t in zip(self.fields, self.types))
+        pairs = zip(self.fields, self.types, strict=True)
+        columns = tuple(convert(f, t, trace[f]) for f, t in pairs)
         rows = columns[0].rows
         if any(c.rows != rows for c in columns):
-            counts = ", ".join(f"{f}={c.rows}" for f, c in zip(self.fields, columns))
+            counts = ", ".join(f"{f}={c.rows}" for f, c in zip(self.fields, columns, strict=True))
             raise ValueError(
                 f"trace fields must have the same number of rows: expected {rows} rows "
                 f"(from {self.fields[0]!r}) in every field, got {counts}"
@@ -140,7 +142,7 @@ class ColumnBuffer:
         columns, rows = self.validate(trace)
         if rows == 0:
             return 0
-        for chunks, column in zip(self._chunks, columns):
+        for chunks, column in zip(self._chunks, columns, strict=True):
             chunks.append(column)
         self._rows += rows
         self._nbytes += sum(c.nbytes for c in columns)

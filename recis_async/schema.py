@@ -53,11 +53,20 @@ __all__ = [
 ]
 
 #: ODPS scalar type names accepted in a trace schema.
-SCALAR_TYPES: Final = ("bigint", "int", "double", "float", "boolean", "string", "binary", "datetime")
+SCALAR_TYPES: Final = (
+    "bigint",
+    "int",
+    "double",
+    "float",
+    "boolean",
+    "string",
+    "binary",
+    "datetime",
+)
 #: Element types accepted inside ``array<...>``.
 ELEMENT_TYPES: Final = ("bigint", "int", "double", "float", "string")
 
-_NUMPY_DTYPES: Final = {
+_NUMPY_DTYPES: Final[dict[str, np.dtype[Any]]] = {
     "bigint": np.dtype(np.int64),
     "int": np.dtype(np.int32),
     "double": np.dtype(np.float64),
@@ -184,13 +193,14 @@ def parse_schema(
         if name.lower() in seen:  # ODPS column names are case-insensitive
             raise ValueError(f"fields: duplicate field name {name!r}")
         seen.add(name.lower())
-    parsed = tuple(parse_type(t, f) for f, t in zip(fields, types))
+    parsed = tuple(parse_type(t, f) for f, t in zip(fields, types, strict=True))
     return tuple(fields), parsed
 
 
 def arrow_schema(fields: Sequence[str], types: Sequence[OdpsType]) -> pa.Schema:
     """The Arrow schema of a trace table (values are never null)."""
-    return pa.schema([pa.field(f, t.arrow_type, nullable=False) for f, t in zip(fields, types)])
+    pairs = zip(fields, types, strict=True)
+    return pa.schema([pa.field(f, t.arrow_type, nullable=False) for f, t in pairs])
 
 
 # ---------------------------------------------------------------------------------------
@@ -259,7 +269,9 @@ def _numeric(arr: np.ndarray, type_name: str) -> np.ndarray:
         if kind in "iu":
             if arr.size and not np.isin(arr, (0, 1)).all():
                 row = int(np.flatnonzero(~np.isin(arr, (0, 1)))[0])
-                raise _Reject(f"expected bool values (or 0/1), got {arr[row].item()!r} at row {row}")
+                raise _Reject(
+                    f"expected bool values (or 0/1), got {arr[row].item()!r} at row {row}"
+                )
         elif kind != "b":
             raise _Reject(f"expected bool values, got {arr.dtype}")
     return np.array(arr, dtype=dtype, copy=True)
@@ -351,7 +363,9 @@ def _array(value: Any, type_: OdpsType) -> Column:
     assert element is not None
     if not isinstance(value, np.ndarray):
         if not isinstance(value, (list, tuple)):
-            raise _Reject(f"expected a 2-D array or a sequence of sequences, got {_describe(value)}")
+            raise _Reject(
+                f"expected a 2-D array or a sequence of sequences, got {_describe(value)}"
+            )
         try:
             value = np.asarray(value)
         except ValueError:  # ragged rows
@@ -363,18 +377,21 @@ def _array(value: Any, type_: OdpsType) -> Column:
         flat = _leaf(value.reshape(-1), element)
         return Column(flat.values, (_readonly(_regular_offsets(rows, width)),) + flat.offsets)
     if value.ndim == 1 and (value.dtype.kind == "O" or len(value) == 0):
-        items = []
+        items: list[Any] = []
         for row, item in enumerate(value):
             item = _as_array(item)
             if isinstance(item, np.ndarray):
                 if item.ndim != 1:
-                    raise _Reject(f"expected a 1-D sequence per row, got shape {item.shape} at row {row}")
+                    raise _Reject(
+                        f"expected a 1-D sequence per row, got shape {item.shape} at row {row}"
+                    )
                 items.append(item)
             elif isinstance(item, (list, tuple)):
                 items.append(item)
             else:
                 raise _Reject(
-                    f"expected a sequence of elements per row, got {type(item).__name__} at row {row}"
+                    f"expected a sequence of elements per row, got {type(item).__name__} "
+                    f"at row {row}"
                 )
         lengths = np.fromiter((len(i) for i in items), dtype=np.int64, count=len(items))
         total = int(lengths.sum())
@@ -383,11 +400,17 @@ def _array(value: Any, type_: OdpsType) -> Column:
         outer = np.zeros(len(items) + 1, dtype=np.int32)
         np.cumsum(lengths, out=outer[1:])
         if element.is_text:
-            flat_items: list[Any] = [x for item in items for x in (item.tolist() if isinstance(item, np.ndarray) else item)]
+            flat_items: list[Any] = [
+                x
+                for item in items
+                for x in (item.tolist() if isinstance(item, np.ndarray) else item)
+            ]
             flat = _leaf(flat_items, element)
         else:
             parts = [np.asarray(i) for i in items]
-            merged = np.concatenate(parts) if parts else np.zeros(0, dtype=_NUMPY_DTYPES[element.name])
+            merged = (
+                np.concatenate(parts) if parts else np.zeros(0, dtype=_NUMPY_DTYPES[element.name])
+            )
             flat = _leaf(merged, element)
         return Column(flat.values, (_readonly(outer),) + flat.offsets)
     raise _Reject(
@@ -422,7 +445,9 @@ def _buffer(arr: np.ndarray) -> pa.Buffer:
     return pa.py_buffer(np.ascontiguousarray(arr))
 
 
-def _leaf_to_arrow(col_values: np.ndarray, offsets: tuple[np.ndarray, ...], type_: OdpsType) -> pa.Array:
+def _leaf_to_arrow(
+    col_values: np.ndarray, offsets: tuple[np.ndarray, ...], type_: OdpsType
+) -> pa.Array:
     if type_.is_text:
         (off,) = offsets
         return pa.Array.from_buffers(
@@ -467,6 +492,8 @@ def from_arrow(arr: pa.Array | pa.ChunkedArray, type_: OdpsType) -> Column:
     if type_.element is not None:
         arr = arr.cast(type_.arrow_type)
         raw = np.asarray(arr.offsets, dtype=np.int32)
-        inner = _from_arrow_leaf(arr.values.slice(int(raw[0]), int(raw[-1] - raw[0])), type_.element)
+        inner = _from_arrow_leaf(
+            arr.values.slice(int(raw[0]), int(raw[-1] - raw[0])), type_.element
+        )
         return Column(inner.values, (_readonly(raw - raw[0]),) + inner.offsets)
     return _from_arrow_leaf(arr, type_)

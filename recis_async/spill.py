@@ -157,7 +157,9 @@ def read_spill(path: str | os.PathLike[str]) -> SpillFile:
                 pa.Table.from_batches([record]), seq=int(info["seq"]), fields=fields, types=types
             )
             if batch.rows != int(info["rows"]):
-                raise ValueError(f"{path}: batch {batch.seq} has {batch.rows} rows, header says {info['rows']}")
+                raise ValueError(
+                    f"{path}: batch {batch.seq} has {batch.rows} rows, header says {info['rows']}"
+                )
             entries.append(SpillEntry(batch, info.get("in_doubt") or None))
     return SpillFile(
         path=path,
@@ -222,8 +224,14 @@ def replay_spill(path: str | os.PathLike[str], sink: Sink) -> ReplayReport:
             rows += entry.batch.rows
     finally:
         sink.close()
-    logger.info("replayed %s into %s: %d batches (%d rows), %d already delivered",
-                spill.path, sink.name, delivered, rows, skipped)
+    logger.info(
+        "replayed %s into %s: %d batches (%d rows), %d already delivered",
+        spill.path,
+        sink.name,
+        delivered,
+        rows,
+        skipped,
+    )
     spill.path.unlink()
     journal.unlink(missing_ok=True)
     return ReplayReport(delivered=delivered, skipped=skipped, rows=rows)

@@ -48,7 +48,6 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import pyarrow as pa
-from odps import types as odps_types
 from odps.models import Record, TableSchema
 from odps.tunnel.io.reader import TunnelArrowReader, TunnelRecordReader
 from odps.tunnel.io.stream import CompressOption, get_decompress_stream
@@ -215,7 +214,9 @@ class _State:
                     raise _HttpError(409, "ODPS-0130111", f"Partition already exists - {spec}")
                 self.partitions[name].add(spec)
                 return
-        raise _HttpError(400, "ODPS-0130161", "ParseError: only CREATE TABLE / ADD PARTITION run here")
+        raise _HttpError(
+            400, "ODPS-0130161", "ParseError: only CREATE TABLE / ADD PARTITION run here"
+        )
 
 
 class _HttpError(Exception):
@@ -263,7 +264,7 @@ def _decode_block(table: _Table, body: bytes, arrow: bool, encoding: str | None)
 
     records = [list(r.values) for r in TunnelRecordReader(schema, creator)]
     names = [c for c, _ in table.columns]
-    return pa.Table.from_pylist([dict(zip(names, r)) for r in records], schema=arrow_schema)
+    return pa.Table.from_pylist([dict(zip(names, r, strict=True)) for r in records], schema=arrow_schema)
 
 
 def _encode_rows(table: _Table, rows: pa.Table, arrow: bool) -> bytes:
@@ -321,8 +322,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- responses ----------------------------------------------------------------------
 
-    def _send(self, status: int, body: bytes = b"", content_type: str = "application/xml",
-              headers: dict[str, str] | None = None) -> None:
+    def _send(
+        self,
+        status: int,
+        body: bytes = b"",
+        content_type: str = "application/xml",
+        headers: dict[str, str] | None = None,
+    ) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
@@ -339,7 +345,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send_error(self, status: int, code: str, message: str) -> None:
         body = (
-            f"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>{code}</Code>"
+            f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
             f"<Message>{_xml_escape(message)}</Message><RequestId>{uuid.uuid4().hex}</RequestId>"
             f"<HostId>127.0.0.1</HostId></Error>"
         ).encode()
@@ -377,7 +383,7 @@ class _Handler(BaseHTTPRequestHandler):
         parts = urlsplit(self.path)
         path = unquote(parts.path)
         if path.startswith(API_PREFIX):
-            path = path[len(API_PREFIX):]
+            path = path[len(API_PREFIX) :]
         params = dict(parse_qsl(parts.query, keep_blank_values=True))
         op = self._classify(path, params)
         with state.lock:
@@ -445,7 +451,9 @@ class _Handler(BaseHTTPRequestHandler):
             return "project_meta"
         return "unknown"
 
-    def _handle(self, op: str, path: str, params: dict[str, str], body: bytes) -> Callable[[], None]:
+    def _handle(
+        self, op: str, path: str, params: dict[str, str], body: bytes
+    ) -> Callable[[], None]:
         """Apply the request to the state; return the function that sends the answer."""
         state = self.server.state
         segs = path.strip("/").split("/")
@@ -458,7 +466,7 @@ class _Handler(BaseHTTPRequestHandler):
             return lambda: self._send(200, addr.encode(), "text/plain")
         if op == "project_meta":
             xml = (
-                f"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Project><Name>{state.project}</Name>"
+                f'<?xml version="1.0" encoding="UTF-8"?><Project><Name>{state.project}</Name>'
                 f"<Type>managed</Type><Comment></Comment><State>AVAILABLE</State>"
                 f"<Owner>ALIYUN$tester</Owner><CreationTime>{formatdate(usegmt=True)}</CreationTime>"
                 f"<LastModifiedTime>{formatdate(usegmt=True)}</LastModifiedTime>"
@@ -500,16 +508,17 @@ class _Handler(BaseHTTPRequestHandler):
             }
         )
         xml = (
-            f"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Table><Name>{table.name}</Name>"
+            f'<?xml version="1.0" encoding="UTF-8"?><Table><Name>{table.name}</Name>'
             f"<TableId>{uuid.uuid5(uuid.NAMESPACE_DNS, table.name).hex}</TableId>"
             f"<Owner>ALIYUN$tester</Owner><Type>MANAGED_TABLE</Type>"
-            f"<Schema format=\"json\"><![CDATA[{schema}]]></Schema></Table>"
+            f'<Schema format="json"><![CDATA[{schema}]]></Schema></Table>'
         )
         return lambda: self._send(200, xml.encode())
 
     def _partition_xml(self, table: _Table, spec: str) -> str:
         cols = "".join(
-            f"<Column Name=\"{k}\" Value=\"{v}\"/>" for k, v in (p.split("=", 1) for p in spec.split(","))
+            f'<Column Name="{k}" Value="{v}"/>'
+            for k, v in (p.split("=", 1) for p in spec.split(","))
         )
         meta = json.dumps(
             {
@@ -527,7 +536,7 @@ class _Handler(BaseHTTPRequestHandler):
         with state.lock:
             specs = sorted(state.partitions.get(table.name, ()))
         body = "".join(self._partition_xml(table, s) for s in specs)
-        xml = f"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Partitions>{body}<Marker></Marker><MaxItems>1000</MaxItems></Partitions>"
+        xml = f'<?xml version="1.0" encoding="UTF-8"?><Partitions>{body}<Marker></Marker><MaxItems>1000</MaxItems></Partitions>'
         return lambda: self._send(200, xml.encode())
 
     def _partition_meta(self, table: _Table, spec: str) -> Callable[[], None]:
@@ -536,7 +545,7 @@ class _Handler(BaseHTTPRequestHandler):
             exists = spec in state.partitions.get(table.name, ())
         if not exists:
             raise _HttpError(404, "NoSuchObject", f"ODPS-0130131:Partition not found - {spec}")
-        xml = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>" + self._partition_xml(table, spec)
+        xml = '<?xml version="1.0" encoding="UTF-8"?>' + self._partition_xml(table, spec)
         return lambda: self._send(200, xml.encode())
 
     # -- instances (DDL) -----------------------------------------------------------------
@@ -564,18 +573,21 @@ class _Handler(BaseHTTPRequestHandler):
             raise _HttpError(404, "NoSuchObject", f"instance not found - {segs[3]}")
         if "result" in params:
             xml = (
-                "<?xml version=\"1.0\" encoding=\"UTF-8\"?><Instance><Tasks>"
-                f"<Task Type=\"SQL\"><Name>{name}</Name><Result Format=\"text\"><![CDATA[OK]]></Result></Task>"
+                '<?xml version="1.0" encoding="UTF-8"?><Instance><Tasks>'
+                f'<Task Type="SQL"><Name>{name}</Name><Result Format="text"><![CDATA[OK]]></Result></Task>'
                 "</Tasks></Instance>"
             )
         else:
             xml = (
-                "<?xml version=\"1.0\" encoding=\"UTF-8\"?><Instance><Status>Terminated</Status><Tasks>"
-                f"<Task Type=\"SQL\"><Name>{name}</Name><Status>Success</Status></Task>"
+                '<?xml version="1.0" encoding="UTF-8"?><Instance><Status>Terminated</Status><Tasks>'
+                f'<Task Type="SQL"><Name>{name}</Name><Status>Success</Status></Task>'
                 "</Tasks></Instance>"
             )
-        headers = {"x-odps-owner": "ALIYUN$tester", "x-odps-start-time": formatdate(usegmt=True),
-                   "x-odps-end-time": formatdate(usegmt=True)}
+        headers = {
+            "x-odps-owner": "ALIYUN$tester",
+            "x-odps-start-time": formatdate(usegmt=True),
+            "x-odps-end-time": formatdate(usegmt=True),
+        }
         return lambda: self._send(200, xml.encode(), headers=headers)
 
     # -- tunnel --------------------------------------------------------------------------
@@ -589,12 +601,18 @@ class _Handler(BaseHTTPRequestHandler):
             "MaxFieldSize": 8 * 1024 * 1024,
         }
 
-    def _tunnel(self, op: str, table: _Table, params: dict[str, str], body: bytes) -> Callable[[], None]:
+    def _tunnel(
+        self, op: str, table: _Table, params: dict[str, str], body: bytes
+    ) -> Callable[[], None]:
         state = self.server.state
         spec = _partition_spec(params.get("partition"))
         if op in ("create_upload", "create_download"):
             if bool(spec) != bool(table.partition_keys):
-                raise _HttpError(400, "InvalidPartitionSpec", f"partition spec {spec!r} does not fit {table.name}")
+                raise _HttpError(
+                    400,
+                    "InvalidPartitionSpec",
+                    f"partition spec {spec!r} does not fit {table.name}",
+                )
             with state.lock:
                 known = state.partitions[table.name]
                 if spec and spec not in known:
@@ -616,8 +634,12 @@ class _Handler(BaseHTTPRequestHandler):
             dl = _DownloadSession(uuid.uuid4().hex.upper(), table, spec, snapshot)
             with state.lock:
                 state.downloads[dl.id] = dl
-            doc = {"DownloadID": dl.id, "Status": "normal", "RecordCount": snapshot.num_rows,
-                   "Schema": _schema_json(table)}
+            doc = {
+                "DownloadID": dl.id,
+                "Status": "normal",
+                "RecordCount": snapshot.num_rows,
+                "Schema": _schema_json(table),
+            }
             return lambda: self._send_json(doc, 201)
         if op in ("reload_download", "download_data"):
             with state.lock:
@@ -625,8 +647,12 @@ class _Handler(BaseHTTPRequestHandler):
             if dl is None:
                 raise _HttpError(404, "NoSuchDownload", "download session not found")
             if op == "reload_download":
-                doc = {"DownloadID": dl.id, "Status": "normal", "RecordCount": dl.snapshot.num_rows,
-                       "Schema": _schema_json(table)}
+                doc = {
+                    "DownloadID": dl.id,
+                    "Status": "normal",
+                    "RecordCount": dl.snapshot.num_rows,
+                    "Schema": _schema_json(table),
+                }
                 return lambda: self._send_json(doc)
             start, count = (int(x) for x in params["rowrange"].strip("()").split(","))
             data = _encode_rows(table, dl.snapshot.slice(start, count), "arrow" in params)
@@ -642,12 +668,18 @@ class _Handler(BaseHTTPRequestHandler):
             if session.status != "normal":
                 raise _HttpError(400, "InvalidStatus", f"upload session is {session.status}")
             try:
-                block = _decode_block(table, body, "arrow" in params, self.headers.get("Content-Encoding"))
+                block = _decode_block(
+                    table, body, "arrow" in params, self.headers.get("Content-Encoding")
+                )
             except Exception as exc:  # a malformed block is the client's fault
-                raise _HttpError(400, "MalformedDataStream", f"cannot decode block: {exc}") from None
+                raise _HttpError(
+                    400, "MalformedDataStream", f"cannot decode block: {exc}"
+                ) from None
             with state.lock:
                 session.blocks[int(params["blockid"])] = block
-                state.log_lines.append(f"block {session.id}/{params['blockid']} rows={block.num_rows}")
+                state.log_lines.append(
+                    f"block {session.id}/{params['blockid']} rows={block.num_rows}"
+                )
             return lambda: self._send(200, b"", "text/plain")
         if op == "commit":
             with state.lock:
@@ -722,10 +754,16 @@ class OdpsServer:
         with self.state.lock:
             t = self.state.tables[table.lower()]
             parts = list(t.data.get(_partition_spec(partition), []))
-        return pa.concat_tables(parts) if parts else odps_schema_to_arrow_schema(t.data_schema).empty_table()
+        return (
+            pa.concat_tables(parts)
+            if parts
+            else odps_schema_to_arrow_schema(t.data_schema).empty_table()
+        )
 
     def start(self) -> OdpsServer:
-        self._thread = threading.Thread(target=self._server.serve_forever, name="odps-loopback", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="odps-loopback", daemon=True
+        )
         self._thread.start()
         return self
 

@@ -119,6 +119,7 @@ class Sink(Protocol):
         """Release clients and connections; idempotent."""
         ...
 
+
 _PARTITION_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _PARTITION_VALUE_FORBIDDEN = set("/\\,='\"\0\n\r")
 

@@ -111,7 +111,9 @@ class OdpsSink:
         self._endpoint = str(config["end_point"]).strip()
         self._tunnel_endpoint = _config_str(config, "tunnel_endpoint")
         for key, url in (("end_point", self._endpoint), ("tunnel_endpoint", self._tunnel_endpoint)):
-            if url is not None and (urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).netloc):
+            if url is not None and (
+                urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).netloc
+            ):
                 raise ValueError(f"config[{key!r}]: expected an http(s) URL, got {url!r}")
         self._partition = parse_partition(config.get("partition"))
         self._lock = threading.Lock()
@@ -165,7 +167,10 @@ class OdpsSink:
         part_keys = [k for k, _ in self._partition]
         if not odps.exist_table(self._table):
             schema = TableSchema.from_lists(
-                list(fields), [t.name for t in types], part_keys or None, ["string"] * len(part_keys) or None
+                list(fields),
+                [t.name for t in types],
+                part_keys or None,
+                ["string"] * len(part_keys) or None,
             )
             odps.create_table(self._table, schema, if_not_exists=True)
             logger.info("%s: created table", self.name)
@@ -181,14 +186,21 @@ class OdpsSink:
                 self._tunnel = TableTunnel(odps, endpoint=self._tunnel_endpoint)
 
     def _check_schema(
-        self, schema: Any, fields: tuple[str, ...], types: tuple[OdpsType, ...], part_keys: list[str]
+        self,
+        schema: Any,
+        fields: tuple[str, ...],
+        types: tuple[OdpsType, ...],
+        part_keys: list[str],
     ) -> None:
-        have = [(c.name.lower(), str(c.type).lower().replace(" ", "")) for c in schema.simple_columns]
-        want = [(f.lower(), t.name) for f, t in zip(fields, types)]
+        have = [
+            (c.name.lower(), str(c.type).lower().replace(" ", "")) for c in schema.simple_columns
+        ]
+        want = [(f.lower(), t.name) for f, t in zip(fields, types, strict=True)]
         if have != want:
             raise SinkError(
                 f"{self.name}: the existing table has columns "
-                f"{', '.join(f'{n} {t}' for n, t in have)}; expected {', '.join(f'{n} {t}' for n, t in want)}",
+                f"{', '.join(f'{n} {t}' for n, t in have)}; "
+                f"expected {', '.join(f'{n} {t}' for n, t in want)}",
                 transient=False,
             )
         have_parts = [p.name.lower() for p in schema.partitions]
@@ -213,7 +225,9 @@ class OdpsSink:
         table = batch.to_arrow()
         try:
             session = tunnel.create_upload_session(
-                self._table, partition_spec=self.partition_spec, create_partition=bool(self._partition)
+                self._table,
+                partition_spec=self.partition_spec,
+                create_partition=bool(self._partition),
             )
             writer = session.open_arrow_writer(_BLOCK_ID)
             try:
@@ -224,20 +238,28 @@ class OdpsSink:
             # an uncommitted session is invisible: nothing of this batch was delivered
             raise self._wrap(exc, f"cannot upload batch {batch.seq}") from None
         if not attempt.commit(session.id):
-            raise SinkError(f"{self.name}: batch {batch.seq} abandoned by the writer", transient=False)
+            raise SinkError(
+                f"{self.name}: batch {batch.seq} abandoned by the writer", transient=False
+            )
         try:
             session.commit([_BLOCK_ID])
         except Exception as exc:
-            failure = self._wrap(exc, f"cannot commit batch {batch.seq} (upload session {session.id})")
+            failure = self._wrap(
+                exc, f"cannot commit batch {batch.seq} (upload session {session.id})"
+            )
             try:
                 delivered = self._settle(session.id, batch)
             except SinkError as check:
-                raise SinkError(f"{failure}; its outcome is unknown: {check}", transient=True) from None
+                raise SinkError(
+                    f"{failure}; its outcome is unknown: {check}", transient=True
+                ) from None
             if delivered:
                 return
             attempt.resolve()
             raise failure from None
-        logger.debug("%s: batch %d (%d rows) committed in %s", self.name, batch.seq, batch.rows, session.id)
+        logger.debug(
+            "%s: batch %d (%d rows) committed in %s", self.name, batch.seq, batch.rows, session.id
+        )
 
     def _settle(self, upload_id: str, batch: Batch) -> bool:
         """Whether the upload session ``upload_id`` was committed (True) or never will be."""
@@ -253,12 +275,15 @@ class OdpsSink:
         if status == TableUploadSession.Status.Closed:
             logger.info(
                 "%s: batch %d was committed by session %s (the response had been lost)",
-                self.name, batch.seq, upload_id,
+                self.name,
+                batch.seq,
+                upload_id,
             )
             return True
         if status in (TableUploadSession.Status.Closing, TableUploadSession.Status.Unknown):
             raise SinkError(
-                f"{self.name}: upload session {upload_id} is {status.value}; commit outcome not known yet",
+                f"{self.name}: upload session {upload_id} is {status.value}; "
+                "its commit outcome is not known yet",
                 transient=True,
             )
         return False  # NORMAL (never committed, and nothing will commit it), EXPIRED, CANCELED, ...

@@ -23,6 +23,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .. import dist
 from ..buffer import Batch
 from ..schema import OdpsType
 from .base import Attempt, SinkError, parse_partition
@@ -34,15 +35,6 @@ logger = logging.getLogger(__name__)
 _PERMANENT_ERRNOS = frozenset(
     {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG}
 )
-
-
-def _current_rank() -> int:
-    try:
-        from .. import dist  # type: ignore[attr-defined]
-    except ImportError:
-        return int(os.environ.get("RANK", "0") or 0)
-    rank: int = dist.get_rank()
-    return rank
 
 
 class ParquetSink:
@@ -98,7 +90,7 @@ class ParquetSink:
         return f"ParquetSink({str(self._root)!r}, {self._table!r}, partition={self._partition!r})"
 
     def open(self, fields: tuple[str, ...], types: tuple[OdpsType, ...]) -> None:
-        rank = _current_rank() if self._rank is None else self._rank
+        rank = dist.get_rank() if self._rank is None else self._rank
         directory = self.directory
         try:
             directory.mkdir(parents=True, exist_ok=True)
@@ -117,7 +109,9 @@ class ParquetSink:
             raise SinkError(f"{self.name}: write before open", transient=False)
         if attempt.token is not None:
             if _published(attempt.token):
-                logger.info("%s: batch %d already published (%s)", self.name, batch.seq, attempt.token)
+                logger.info(
+                    "%s: batch %d already published (%s)", self.name, batch.seq, attempt.token
+                )
                 return
             attempt.resolve()
         directory = self.directory
@@ -140,7 +134,9 @@ class ParquetSink:
             try:
                 _fsync_path(directory)
             except OSError as exc:  # the file is visible already; durability is best effort
-                logger.warning("%s: fsync of %s failed after publishing: %s", self.name, directory, exc)
+                logger.warning(
+                    "%s: fsync of %s failed after publishing: %s", self.name, directory, exc
+                )
         logger.debug("%s: batch %d (%d rows) -> %s", self.name, batch.seq, batch.rows, final.name)
 
     def close(self) -> None:

@@ -1,0 +1,144 @@
+"""TraceHook / TraceToOdpsHook: the rows each step traces, buffered and written in the background.
+
+At every ``AfterStep`` that carries trace data (``add_to_trace``), the step's columns are
+checked against the declared ``fields``/``types`` at once -- a bad step raises ``ValueError``
+from that ``publish`` (as :class:`~recis_async.HookError`) and nothing of it is kept -- and
+appended to a :class:`~recis_async.buffer.ColumnBuffer`.  When the buffer holds
+``size_threshold`` bytes (or its oldest row is ``max_age`` seconds old) it is sealed into an
+immutable batch and handed to a :class:`~recis_async.writer.TraceWriter` whose ``worker_num``
+workers write it through the sink in worker threads.  Memory stays bounded: ``after_step``
+waits only while ``worker_num + 1`` sealed batches are pending.  Leaving the bus seals the
+rest and drains everything within the bus's ``flush_timeout``; what cannot be delivered is
+spilled to a replayable file and reported as an error.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..buffer import ColumnBuffer
+from ..events import AfterStep
+from ..hook import Hook
+from ..sinks.base import Sink
+from ..sinks.odps import OdpsSink
+from ..writer import TraceWriter
+
+if TYPE_CHECKING:
+    from ..bus import HookBus
+
+__all__ = ["TraceHook", "TraceToOdpsHook"]
+
+DEFAULT_SIZE_THRESHOLD = 50 * 1024 * 1024  # bytes, as in RecIS
+
+
+class TraceHook(Hook):
+    """Write every step's trace columns to ``sink`` in the background.
+
+    ``fields``/``types``: the table's columns and their ODPS types (see
+    :mod:`recis_async.schema`).  ``worker_num``: concurrent writes.  ``size_threshold``:
+    bytes buffered before a batch is sealed.  ``max_age``: seconds after which a non-empty
+    buffer is sealed anyway (None: only by size, and at close).  ``retries`` /
+    ``retry_backoff``: transient failures are retried this many times, backing off
+    exponentially from this many seconds.  ``spill_dir``: where undeliverable batches are
+    kept (default ``./trace_spill``).
+    """
+
+    def __init__(
+        self,
+        sink: Sink,
+        fields: Sequence[str],
+        types: Sequence[str],
+        worker_num: int = 1,
+        size_threshold: int = DEFAULT_SIZE_THRESHOLD,
+        max_age: float | None = None,
+        *,
+        retries: int = 5,
+        retry_backoff: float = 0.5,
+        spill_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if not isinstance(sink, Sink):
+            raise TypeError(
+                f"sink: expected a Sink (name, open, write, close), got {type(sink).__name__}"
+            )
+        if (
+            isinstance(size_threshold, bool)
+            or not isinstance(size_threshold, int)
+            or size_threshold <= 0
+        ):
+            raise ValueError(
+                f"size_threshold: expected an int number of bytes > 0, got {size_threshold!r}"
+            )
+        self._buffer = ColumnBuffer(fields, types)
+        self._threshold = size_threshold
+        self._max_age = max_age
+        self._writer = TraceWriter(
+            sink,
+            worker_num=worker_num,
+            retries=retries,
+            retry_backoff=retry_backoff,
+            spill_dir=spill_dir,
+            source=self._buffer,
+            max_age=max_age,
+        )
+        self.sink = sink
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return self._buffer.fields
+
+    @property
+    def types(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self._buffer.types)
+
+    @property
+    def writer(self) -> TraceWriter:
+        """The background service (its ``stats()`` appear in ``bus.stats()``)."""
+        return self._writer
+
+    @property
+    def state_key(self) -> str:
+        return f"{type(self).__name__}[{self.sink.name}]"
+
+    def attach(self, bus: HookBus) -> None:
+        bus.start_service(self._writer)
+
+    async def after_step(self, event: AfterStep) -> None:
+        if not event.trace:
+            return
+        buffer = self._buffer
+        buffer.append(event.trace)
+        if buffer.nbytes >= self._threshold or (
+            self._max_age is not None and buffer.age() >= self._max_age
+        ):
+            await self._writer.send(buffer.seal())
+
+    def __repr__(self) -> str:
+        return (
+            f"<{type(self).__name__} sink={self.sink.name} fields={list(self.fields)} "
+            f"worker_num={self._writer.worker_num} size_threshold={self._threshold}>"
+        )
+
+
+class TraceToOdpsHook(TraceHook):
+    """RecIS's hook: ``TraceHook(sink=OdpsSink(config), fields, types, ...)``.
+
+    ``config`` keys: ``access_id``, ``access_key``, ``project``, ``end_point``,
+    ``table_name``; optional ``partition`` and ``tunnel_endpoint``.  Credentials may instead
+    come from ``ALIBABA_CLOUD_ACCESS_KEY_ID`` / ``ALIBABA_CLOUD_ACCESS_KEY_SECRET``.
+    """
+
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        fields: Sequence[str],
+        types: Sequence[str],
+        worker_num: int = 1,
+        size_threshold: int = DEFAULT_SIZE_THRESHOLD,
+        max_age: float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            OdpsSink(config), fields, types, worker_num, size_threshold, max_age, **kwargs
+        )

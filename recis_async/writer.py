@@ -1,0 +1,409 @@
+"""The background writer: sealed batches -> bounded stream -> N workers -> sink, in threads.
+
+:class:`TraceWriter` is a :class:`~recis_async.service.Service`.  ``await writer.send(batch)``
+hands a sealed batch to a memory object stream with room for one; ``worker_num`` tasks take
+batches from it and call the blocking :meth:`Sink.write` in worker threads, so the event loop
+never blocks on I/O.  At most ``worker_num + 1`` sealed batches are pending (being written or
+waiting); only then does ``send`` wait, and that wait is counted in :meth:`stats`.
+
+A transient sink failure is retried with exponential backoff, resending the same immutable
+batch (the sink uses a fresh session or file name, and settles any attempt left in doubt
+first).  A permanent failure or exhausted retries spill the batch at once to a replayable
+file (:mod:`recis_async.spill`); at close, whatever is still pending when the deadline
+passes is spilled too, in-flight writes are abandoned, and :meth:`aclose` raises
+:class:`TraceDeliveryError` with the counts and the spill files.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+from collections.abc import Mapping
+from pathlib import Path
+from time import perf_counter
+from typing import Any, Protocol
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from .buffer import Batch
+from .sinks.base import Attempt, Sink, SinkError
+from .spill import SpillEntry, write_spill
+
+__all__ = ["BatchSource", "TraceWriter", "TraceDeliveryError"]
+
+logger = logging.getLogger(__name__)
+
+
+class TraceDeliveryError(RuntimeError):
+    """Batches could not be delivered and were spilled; raised by :meth:`TraceWriter.aclose`."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        spilled_batches: int,
+        spilled_rows: int,
+        spill_files: tuple[Path, ...],
+    ) -> None:
+        super().__init__(message)
+        self.spilled_batches = spilled_batches
+        self.spilled_rows = spilled_rows
+        self.spill_files = spill_files
+
+
+class BatchSource(Protocol):
+    """Where batches are sealed upstream (a :class:`~recis_async.buffer.ColumnBuffer`)."""
+
+    @property
+    def rows(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def age(self) -> float: ...
+
+    def seal(self) -> Batch | None: ...
+
+
+class TraceWriter:
+    """Deliver sealed :class:`~recis_async.buffer.Batch` es to ``sink`` in the background.
+
+    ``retries``: extra attempts per batch after a transient failure, waiting
+    ``retry_backoff * 2**n`` seconds (capped at ``max_backoff``, with jitter) between them.
+    ``spill_dir``: where undeliverable batches go (default ``./trace_spill``).
+    ``source``: the upstream buffer; sealed at close (and by the ``max_age`` timer once its
+    oldest row is that many seconds old) and reported in :meth:`stats`.
+    """
+
+    def __init__(
+        self,
+        sink: Sink,
+        *,
+        worker_num: int = 1,
+        retries: int = 5,
+        retry_backoff: float = 0.5,
+        max_backoff: float = 30.0,
+        spill_dir: str | os.PathLike[str] | None = None,
+        source: BatchSource | None = None,
+        max_age: float | None = None,
+        name: str | None = None,
+    ) -> None:
+        if isinstance(worker_num, bool) or not isinstance(worker_num, int) or worker_num < 1:
+            raise ValueError(f"worker_num: expected an int >= 1, got {worker_num!r}")
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ValueError(f"retries: expected an int >= 0, got {retries!r}")
+        for label, value in (("retry_backoff", retry_backoff), ("max_backoff", max_backoff)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+                raise ValueError(f"{label}: expected a number of seconds >= 0, got {value!r}")
+        if max_age is not None and (
+            isinstance(max_age, bool) or not isinstance(max_age, int | float) or not max_age > 0
+        ):
+            raise ValueError(f"max_age: expected None or a number of seconds > 0, got {max_age!r}")
+        self.sink = sink
+        self.name = name or f"trace:{sink.name}"
+        self.worker_num = worker_num
+        self._retries = retries
+        self._backoff = float(retry_backoff)
+        self._max_backoff = float(max_backoff)
+        self._spill_dir = Path(spill_dir) if spill_dir is not None else Path.cwd() / "trace_spill"
+        self._source = source
+        self._max_age = None if max_age is None else float(max_age)
+        self._tx: MemoryObjectSendStream[Batch]
+        self._rx: MemoryObjectReceiveStream[Batch]
+        self._tx, self._rx = anyio.create_memory_object_stream[Batch](1)
+        self._running = anyio.Event()
+        self._finished = anyio.Event()
+        self._closing = False
+        self._deadline = math.inf
+        self._scopes: set[anyio.CancelScope] = set()
+        self._open_lock = anyio.Lock()
+        self._opened = False
+        self._pending: dict[int, Batch] = {}  # id(batch) -> batch, sent and not settled
+        self._unsent: list[SpillEntry] = []  # abandoned at the deadline, to spill at close
+        self._spill_files: list[Path] = []
+        self._last_error: str | None = None
+        self._stats = {
+            "batches": 0,
+            "rows": 0,
+            "bytes": 0,
+            "retries": 0,
+            "spilled": 0,
+            "spilled_rows": 0,
+            "backpressure_waits": 0,
+        }
+        self._wait_s = 0.0
+
+    # ------------------------------------------------------------------ intake
+    async def send(self, batch: Batch | None) -> None:
+        """Queue a sealed batch; waits only while ``worker_num + 1`` batches are pending."""
+        if batch is None:
+            return
+        if self._closing:
+            raise RuntimeError(f"{self.name}: send() after close started")
+        self._pending[id(batch)] = batch
+        try:
+            self._tx.send_nowait(batch)
+        except anyio.WouldBlock:
+            t = perf_counter()
+            try:
+                await self._tx.send(batch)
+            except BaseException:
+                self._pending.pop(id(batch), None)
+                raise
+            finally:
+                self._stats["backpressure_waits"] += 1
+                self._wait_s += perf_counter() - t
+        except BaseException:
+            self._pending.pop(id(batch), None)
+            raise
+
+    def stats(self) -> Mapping[str, Any]:
+        """Pending (queued + in flight) and buffered sizes, delivered and spilled counts,
+        retries, and time publishers spent waiting for room."""
+        source = self._source
+        return {
+            "queued_batches": len(self._pending),
+            "queued_bytes": sum(b.nbytes for b in self._pending.values()),
+            "queued_rows": sum(b.rows for b in self._pending.values()),
+            "buffered_rows": source.rows if source is not None else 0,
+            "buffered_bytes": source.nbytes if source is not None else 0,
+            **self._stats,
+            "backpressure_wait_s": self._wait_s,
+            "spill_files": [str(p) for p in self._spill_files],
+        }
+
+    # ------------------------------------------------------------------ service
+    async def run(self) -> None:
+        """Run the workers (and the ``max_age`` timer) until close has drained the stream."""
+        self._running.set()
+        try:
+            async with anyio.create_task_group() as outer:
+                if self._max_age is not None and self._source is not None:
+                    outer.start_soon(self._age_timer, name=f"{self.name}:max_age")
+                async with anyio.create_task_group() as workers:
+                    for i in range(self.worker_num):
+                        workers.start_soon(self._worker, name=f"{self.name}:worker{i}")
+                # the workers return once close closed the stream and it ran dry
+                outer.cancel_scope.cancel()
+        finally:
+            self._finished.set()
+
+    async def _age_timer(self) -> None:
+        """Seal and queue the upstream buffer once its oldest row is ``max_age`` old."""
+        source, max_age = self._source, self._max_age
+        assert source is not None and max_age is not None
+        while not self._closing:
+            await anyio.sleep(min(max_age / 4, 1.0))
+            if not self._closing and source.rows and source.age() >= max_age:
+                await self.send(source.seal())
+
+    async def _worker(self) -> None:
+        async with self._rx.clone() as rx:
+            async for batch in rx:
+                if self._closing and anyio.current_time() >= self._deadline:
+                    self._abandon(batch, None, "the close deadline passed before it was sent")
+                    continue
+                await self._deliver(batch)
+
+    async def _deliver(self, batch: Batch) -> None:
+        """Write ``batch`` with retries; spill it if that fails; on cancellation (the close
+        deadline, or the bus cancelling its services) abandon it for close to spill."""
+        attempt = Attempt()
+        failures = 0
+        try:
+            while True:
+                with anyio.CancelScope(deadline=self._deadline) as scope:
+                    self._scopes.add(scope)
+                    try:
+                        await self._ensure_open(batch)
+                        await anyio.to_thread.run_sync(
+                            self.sink.write, batch, attempt, abandon_on_cancel=True
+                        )
+                    except SinkError as exc:
+                        error: Exception | None = exc
+                        transient = exc.transient
+                    except Exception as exc:  # unclassified: do not guess, keep the batch safe
+                        error, transient = exc, False
+                    else:
+                        error, transient = None, False
+                    finally:
+                        self._scopes.discard(scope)
+                if scope.cancelled_caught:
+                    self._abandon(
+                        batch, attempt.abandon(), "the close deadline passed during its upload"
+                    )
+                    return
+                if error is None:
+                    self._pending.pop(id(batch), None)
+                    self._stats["batches"] += 1
+                    self._stats["rows"] += batch.rows
+                    self._stats["bytes"] += batch.nbytes
+                    return
+                self._last_error = f"{type(error).__name__}: {error}"
+                attempt = Attempt(attempt.token)  # the next try settles what is in doubt first
+                if not transient or failures >= self._retries:
+                    why = "retries exhausted" if transient else "permanent error"
+                    logger.error(
+                        "%s: batch %d (%d rows) not delivered (%s): %s",
+                        self.name,
+                        batch.seq,
+                        batch.rows,
+                        why,
+                        error,
+                    )
+                    await self._spill(
+                        [SpillEntry(batch, attempt.token)], f"{why}: {self._last_error}"
+                    )
+                    return
+                failures += 1
+                self._stats["retries"] += 1
+                delay = min(self._max_backoff, self._backoff * 2 ** (failures - 1))
+                delay *= 0.5 + random.random() / 2
+                logger.warning(
+                    "%s: batch %d (%d rows) failed, retry %d/%d in %.2fs: %s",
+                    self.name,
+                    batch.seq,
+                    batch.rows,
+                    failures,
+                    self._retries,
+                    delay,
+                    error,
+                )
+                with anyio.CancelScope(deadline=self._deadline) as wait:
+                    self._scopes.add(wait)
+                    try:
+                        await anyio.sleep(delay)
+                    finally:
+                        self._scopes.discard(wait)
+                if wait.cancelled_caught:
+                    self._abandon(
+                        batch, attempt.abandon(), "the close deadline passed while retrying"
+                    )
+                    return
+        except anyio.get_cancelled_exc_class():
+            self._abandon(batch, attempt.abandon(), "the writer was cancelled")
+            raise
+
+    async def _ensure_open(self, batch: Batch) -> None:
+        if self._opened:
+            return
+        async with self._open_lock:
+            if not self._opened:
+                await anyio.to_thread.run_sync(
+                    self.sink.open, batch.fields, batch.types, abandon_on_cancel=True
+                )
+                self._opened = True
+
+    def _abandon(self, batch: Batch, token: str | None, why: str) -> None:
+        if any(e.batch is batch for e in self._unsent):
+            return
+        logger.warning(
+            "%s: batch %d (%d rows) abandoned: %s", self.name, batch.seq, batch.rows, why
+        )
+        self._unsent.append(SpillEntry(batch, token))
+
+    async def _spill(self, entries: list[SpillEntry], reason: str) -> None:
+        """Write ``entries`` to a spill file; shielded, so cancellation cannot lose them."""
+        if not entries:
+            return
+        with anyio.CancelScope(shield=True):
+            try:
+                path = await anyio.to_thread.run_sync(
+                    lambda: write_spill(
+                        self._spill_dir,
+                        entries,
+                        sink_name=self.sink.name,
+                        reason=reason,
+                        prefix=self.name,
+                    )
+                )
+            except Exception as exc:
+                # nowhere safe to put them: keep them pending so close reports them as lost
+                logger.error(
+                    "%s: cannot write spill file in %s: %s", self.name, self._spill_dir, exc
+                )
+                self._last_error = f"spill failed: {exc}"
+                raise
+            for entry in entries:
+                self._pending.pop(id(entry.batch), None)
+                self._stats["spilled"] += 1
+                self._stats["spilled_rows"] += entry.batch.rows
+            self._spill_files.append(path)
+            logger.error(
+                "%s: spilled %d batches (%d rows) to %s",
+                self.name,
+                len(entries),
+                sum(e.batch.rows for e in entries),
+                path,
+            )
+
+    async def aclose(self, deadline: float) -> None:
+        """Seal what is buffered upstream, deliver everything pending by ``deadline``, spill
+        the rest, close the sink; raise :class:`TraceDeliveryError` if anything was spilled."""
+        try:
+            await self._drain(deadline)
+        finally:
+            # even when cancelled (a second stop signal), keep what was not delivered
+            leftovers = list(self._unsent)
+            self._unsent.clear()
+            while True:
+                try:
+                    leftovers.append(SpillEntry(self._rx.receive_nowait(), None))
+                except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                    break
+            seen = {id(e.batch) for e in leftovers}
+            leftovers.extend(
+                SpillEntry(b, None) for i, b in list(self._pending.items()) if i not in seen
+            )
+            try:
+                await self._spill(
+                    leftovers, f"not delivered by the close deadline: {self._last_error}"
+                )
+            finally:
+                with anyio.CancelScope(shield=True):
+                    if self._opened:
+                        try:
+                            await anyio.to_thread.run_sync(self.sink.close)
+                        except Exception as exc:
+                            logger.warning("%s: closing the sink failed: %s", self.name, exc)
+        if self._stats["spilled"]:
+            files = tuple(self._spill_files)
+            raise TraceDeliveryError(
+                f"{self.name}: {self._stats['spilled']} batch(es) ({self._stats['spilled_rows']} "
+                f"rows) were not delivered ({self._stats['batches']} delivered) and were spilled "
+                f"to {', '.join(map(str, files))}; replay them with "
+                f"recis_async.spill.replay_spill(path, sink). Last error: {self._last_error}",
+                spilled_batches=self._stats["spilled"],
+                spilled_rows=self._stats["spilled_rows"],
+                spill_files=files,
+            )
+
+    async def _drain(self, deadline: float) -> None:
+        # let run() start if the bus closes before it ever yielded to it
+        with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+            await self._running.wait()
+        if self._source is not None:
+            remainder = self._source.seal()
+            if remainder is not None:
+                with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+                    await self.send(remainder)
+                    remainder = None
+                if remainder is not None:
+                    self._unsent.append(SpillEntry(remainder, None))
+        self._closing = True
+        self._deadline = deadline
+        for scope in list(self._scopes):
+            scope.deadline = deadline
+        self._tx.close()  # workers finish what is queued, then return
+        if not self._running.is_set():
+            return
+        with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+            await self._finished.wait()
+        if not self._finished.is_set():  # a worker ignored its deadline: stop waiting for it
+            for scope in list(self._scopes):
+                scope.cancel()
+            with anyio.move_on_after(1.0):
+                await self._finished.wait()
