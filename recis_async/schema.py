@@ -342,6 +342,8 @@ def _text(value: Any, type_name: str) -> tuple[np.ndarray, np.ndarray]:
 
 def _leaf(value: Any, type_: OdpsType) -> Column:
     """A column of a non-array type from one value per row."""
+    if isinstance(value, np.ndarray) and value.ndim == 1 and value.size == 0:
+        return _empty(type_)  # numpy gives empty lists a float dtype: any is fine
     if type_.is_text:
         data, offsets = _text(value, type_.name)
         return Column(_readonly(data), (_readonly(offsets),))
@@ -356,6 +358,12 @@ def _leaf(value: Any, type_: OdpsType) -> Column:
             raise _Reject(f"expected a 1-D sequence of numbers ({exc})") from None
     _check_1d(value)
     return Column(_readonly(_numeric(value, type_.name)))
+
+
+def _empty(type_: OdpsType) -> Column:
+    if type_.is_text:
+        return Column(_readonly(np.zeros(0, np.uint8)), (_EMPTY_OFFSETS,))
+    return Column(_readonly(np.zeros(0, _NUMPY_DTYPES[type_.name])))
 
 
 def _array(value: Any, type_: OdpsType) -> Column:
@@ -407,7 +415,7 @@ def _array(value: Any, type_: OdpsType) -> Column:
             ]
             flat = _leaf(flat_items, element)
         else:
-            parts = [np.asarray(i) for i in items]
+            parts = [np.asarray(i) for i in items if len(i)]  # empty lists default to float
             merged = (
                 np.concatenate(parts) if parts else np.zeros(0, dtype=_NUMPY_DTYPES[element.name])
             )

@@ -297,7 +297,8 @@ class OdpsSink:
 
     def _wrap(self, exc: BaseException, what: str) -> SinkError:
         """A scrubbed, unchained :class:`SinkError` classified as transient or permanent."""
-        message = self._credentials.scrub(f"{self.name}: {what}: {type(exc).__name__}: {exc}")
+        detail = " ".join(str(exc).split())  # pyodps messages span lines
+        message = self._credentials.scrub(f"{self.name}: {what}: {type(exc).__name__}: {detail}")
         return SinkError(message, transient=_is_transient(exc))
 
 

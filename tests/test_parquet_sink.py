@@ -1,0 +1,154 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+import pytest
+from trace_data import ALL_FIELDS, ALL_TYPES, all_types_batch, expected_row, simple_batches
+
+from recis_async.schema import parse_type
+from recis_async.sinks import Attempt, ParquetSink, SinkError
+
+
+def opened(sink: ParquetSink, fields: list[str], types: list[str]) -> ParquetSink:
+    sink.open(tuple(fields), tuple(parse_type(t) for t in types))
+    return sink
+
+
+def parts(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def test_every_type_round_trips_through_pyarrow_and_pandas(tmp_path: Path) -> None:
+    sink = opened(ParquetSink(tmp_path, "traces", rank=0), ALL_FIELDS, ALL_TYPES)
+    batch = all_types_batch(rows=6, steps=2)
+    sink.write(batch, Attempt())
+    (path,) = (tmp_path / "traces").iterdir()
+    table = pq.read_table(path)
+    for name, type_name in zip(ALL_FIELDS, ALL_TYPES, strict=True):
+        assert table.schema.field(name).type == parse_type(type_name).arrow_type
+    assert table.to_pylist() == [expected_row(i) for i in range(6)]
+    frame = pd.read_parquet(path)
+    assert len(frame) == 6
+    assert frame["c_bigint"].dtype == "int64" and frame["c_int"].dtype == "int32"
+    assert frame["c_float"].dtype == "float32" and frame["c_boolean"].dtype == bool
+    assert str(frame["c_datetime"].dtype).startswith("datetime64")
+    assert frame["c_datetime"][1].to_pydatetime() == expected_row(1)["c_datetime"]
+    assert list(frame["c_arr_double"][2]) == [3.0, 5.0, 7.0]
+    assert frame["c_string"][5] == "row-5-é"
+
+
+def test_layout_is_partition_folders_with_rank_and_seq(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "3")
+    sink = opened(ParquetSink(tmp_path, "tr", "dt=20261122,hour=10"), ["id", "v"], ["bigint", "double"])
+    assert sink.directory == tmp_path / "tr" / "dt=20261122" / "hour=10"
+    for batch in simple_batches(3):
+        sink.write(batch, Attempt())
+    assert parts(sink.directory) == ["part-3-0.parquet", "part-3-1.parquet", "part-3-2.parquet"]
+    data = pads.dataset(tmp_path / "tr", partitioning="hive").to_table()
+    assert sorted(data.column("id").to_pylist()) == list(range(15))
+    assert set(data.column("dt").to_pylist()) == {20261122}
+    frame = pd.read_parquet(tmp_path / "tr")
+    assert len(frame) == 15 and set(frame["hour"].astype(str)) == {"10"}
+
+
+def test_existing_files_are_never_overwritten(tmp_path: Path) -> None:
+    directory = tmp_path / "tr"
+    directory.mkdir()
+    old = pa.table({"id": [99], "v": [9.0]})
+    pq.write_table(old, directory / "part-0-0.parquet")
+    pq.write_table(old, directory / "part-0-4.parquet")
+    sink = opened(ParquetSink(tmp_path, "tr", rank=0), ["id", "v"], ["bigint", "double"])
+    (batch,) = simple_batches(1)
+    sink.write(batch, Attempt())
+    assert parts(directory) == ["part-0-0.parquet", "part-0-4.parquet", "part-0-5.parquet"]
+    assert pq.read_table(directory / "part-0-0.parquet").equals(old)
+
+
+def test_a_file_appearing_under_the_next_name_is_skipped_not_replaced(tmp_path: Path) -> None:
+    sink = opened(ParquetSink(tmp_path, "tr", rank=0), ["id", "v"], ["bigint", "double"])
+    first, second = simple_batches(2)
+    sink.write(first, Attempt())
+    # another writer takes part-0-1 after this sink opened
+    pq.write_table(pa.table({"id": [7]}), tmp_path / "tr" / "part-0-1.parquet")
+    sink.write(second, Attempt())
+    assert parts(tmp_path / "tr") == ["part-0-0.parquet", "part-0-1.parquet", "part-0-2.parquet"]
+    assert pq.read_table(tmp_path / "tr" / "part-0-1.parquet").num_rows == 1
+
+
+def test_a_published_batch_in_doubt_is_not_written_again(tmp_path: Path) -> None:
+    sink = opened(ParquetSink(tmp_path, "tr", rank=0), ["id", "v"], ["bigint", "double"])
+    (batch,) = simple_batches(1)
+    attempt = Attempt()
+    sink.write(batch, attempt)
+    token = attempt.token
+    assert token is not None and "part-0-0.parquet" in token
+    sink.write(batch, Attempt(token))  # e.g. the writer lost track of the first outcome
+    assert parts(tmp_path / "tr") == ["part-0-0.parquet"]
+
+
+def test_a_token_naming_another_file_means_not_delivered(tmp_path: Path) -> None:
+    sink = opened(ParquetSink(tmp_path, "tr", rank=0), ["id", "v"], ["bigint", "double"])
+    first, second = simple_batches(2)
+    attempt = Attempt()
+    sink.write(first, attempt)
+    assert attempt.token is not None
+    stale = attempt.token.replace("#inode=", "#inode=1")  # same path, different file
+    retry = Attempt(stale)
+    sink.write(second, retry)
+    assert retry.token is not None and retry.token != stale
+    assert parts(tmp_path / "tr") == ["part-0-0.parquet", "part-0-1.parquet"]
+
+
+def test_an_abandoned_attempt_writes_nothing(tmp_path: Path) -> None:
+    sink = opened(ParquetSink(tmp_path, "tr", rank=0), ["id", "v"], ["bigint", "double"])
+    (batch,) = simple_batches(1)
+    attempt = Attempt()
+    assert attempt.abandon() is None
+    with pytest.raises(SinkError, match="abandoned") as info:
+        sink.write(batch, attempt)
+    assert info.value.transient is False
+    assert os.listdir(tmp_path / "tr") == []
+    assert attempt.token is None
+
+
+def test_an_unusable_root_is_a_permanent_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    sink = ParquetSink(blocker, "tr", rank=0)
+    with pytest.raises(SinkError) as info:
+        opened(sink, ["id"], ["bigint"])
+    assert info.value.transient is False and str(blocker) in str(info.value)
+
+
+def test_write_before_open_is_refused(tmp_path: Path) -> None:
+    (batch,) = simple_batches(1)
+    with pytest.raises(SinkError, match="write before open"):
+        ParquetSink(tmp_path, "tr").write(batch, Attempt())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"table": "a/b"}, "table: expected a name of letters"),
+        ({"table": "t", "partition": "dt"}, "partition: expected 'key=value' pairs, got 'dt'"),
+        ({"table": "t", "partition": "dt=a/b"}, "partition: value of 'dt' must be non-empty"),
+        ({"table": "t", "partition": "dt=1,dt=2"}, "partition: duplicate key 'dt'"),
+        ({"table": "t", "partition": "1x=2"}, "partition: expected an identifier as key, got '1x'"),
+        ({"table": "t", "partition": 5}, "partition: expected a string like"),
+        ({"table": "t", "rank": -1}, "rank: expected an int >= 0 or None, got -1"),
+    ],
+)
+def test_constructor_validation(tmp_path: Path, kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        ParquetSink(tmp_path, **kwargs)  # type: ignore[arg-type]
+    assert message in str(info.value)
+
+
+def test_partition_may_be_a_mapping(tmp_path: Path) -> None:
+    sink = ParquetSink(tmp_path, "t", {"dt": 20261122, "hour": "07"})
+    assert sink.directory == tmp_path / "t" / "dt=20261122" / "hour=07"
