@@ -114,13 +114,17 @@ class Fault:
     ``"create_download"``, ``"download_data"``, ``"table_meta"``, ``"instance"`` or ``"any"``.
     ``action``: ``"503"``, ``"reset"`` (connection reset before handling), ``"4xx"``
     (403 NoPermission, permanent), ``"lost"`` (handled, then the connection is reset
-    instead of answering), or ``"slow:<seconds>"`` (handled after a delay).
+    instead of answering), or ``"slow:<seconds>"`` (handled after a delay).  ``after``: let
+    that many matching requests through first.  ``message``: text of the error response.
     """
 
     op: str
     action: str
     times: int = 1
+    after: int = 0
+    message: str = ""
     hits: int = 0
+    seen: int = 0
 
 
 def _partition_spec(text: str | None) -> str:
@@ -188,6 +192,9 @@ class _State:
         with self.lock:
             for fault in self.faults:
                 if fault.hits < fault.times and fault.op in (op, "any"):
+                    fault.seen += 1
+                    if fault.seen <= fault.after:
+                        continue
                     fault.hits += 1
                     return fault
         return None
@@ -264,7 +271,9 @@ def _decode_block(table: _Table, body: bytes, arrow: bool, encoding: str | None)
 
     records = [list(r.values) for r in TunnelRecordReader(schema, creator)]
     names = [c for c, _ in table.columns]
-    return pa.Table.from_pylist([dict(zip(names, r, strict=True)) for r in records], schema=arrow_schema)
+    return pa.Table.from_pylist(
+        [dict(zip(names, r, strict=True)) for r in records], schema=arrow_schema
+    )
 
 
 def _encode_rows(table: _Table, rows: pa.Table, arrow: bool) -> bytes:
@@ -400,11 +409,13 @@ class _Handler(BaseHTTPRequestHandler):
         body = self._read_body()
         if fault is not None and fault.action == "503":
             state.log_lines.append(f"fault 503 {op}")
-            self._send_error(503, "ServiceUnavailable", "injected: service unavailable")
+            self._send_error(
+                503, "ServiceUnavailable", fault.message or "injected: service unavailable"
+            )
             return
         if fault is not None and fault.action == "4xx":
             state.log_lines.append(f"fault 403 {op}")
-            self._send_error(403, "NoPermission", "injected: permission denied")
+            self._send_error(403, "NoPermission", fault.message or "injected: permission denied")
             return
         if fault is not None and fault.action.startswith("slow:"):
             time.sleep(float(fault.action.split(":", 1)[1]))
@@ -739,8 +750,10 @@ class OdpsServer:
         with self.state.lock:
             return self.state.counts.get(op, 0)
 
-    def inject(self, op: str, action: str, times: int = 1) -> Fault:
-        fault = Fault(op, action, times)
+    def inject(
+        self, op: str, action: str, times: int = 1, *, after: int = 0, message: str = ""
+    ) -> Fault:
+        fault = Fault(op, action, times, after, message)
         with self.state.lock:
             self.state.faults.append(fault)
         return fault
@@ -762,7 +775,10 @@ class OdpsServer:
 
     def start(self) -> OdpsServer:
         self._thread = threading.Thread(
-            target=self._server.serve_forever, name="odps-loopback", daemon=True
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.02},
+            name="odps-loopback",
+            daemon=True,
         )
         self._thread.start()
         return self
@@ -794,3 +810,51 @@ if __name__ == "__main__":  # pragma: no cover
 
     for _ in serve_forever(sys.argv[1] if len(sys.argv) > 1 else "trace_proj"):
         pass
+
+
+# ------------------------------------------------------------------------------------------
+# test helpers
+
+TEST_ACCESS_ID = "LTAI-test-access-id"
+TEST_SECRET = "s3cr3t-Do-Not-Leak-0123456789abcdef"
+
+
+def sink_config(
+    server: OdpsServer, table: str, partition: str | None = None, **extra: Any
+) -> dict[str, Any]:
+    """A RecIS-style config pointing at ``server``."""
+    config: dict[str, Any] = {
+        "access_id": TEST_ACCESS_ID,
+        "access_key": TEST_SECRET,
+        "project": server.project,
+        "end_point": server.endpoint,
+        "table_name": table,
+        "tunnel_endpoint": server.tunnel_endpoint,
+    }
+    if partition is not None:
+        config["partition"] = partition
+    config.update(extra)
+    return config
+
+
+def read_with_pyodps(
+    server: OdpsServer, table: str, partition: str | None = None, *, arrow: bool = False
+) -> list[dict[str, Any]]:
+    """Read a table (partition) back through pyodps's own download tunnel."""
+    from odps import ODPS
+
+    odps = ODPS(
+        TEST_ACCESS_ID,
+        TEST_SECRET,
+        server.project,
+        server.endpoint,
+        tunnel_endpoint=server.tunnel_endpoint,
+        overwrite_global=False,
+    )
+    t = odps.get_table(table)
+    names = [c.name for c in t.table_schema.simple_columns]
+    if arrow:
+        with t.open_reader(partition=partition, arrow=True) as reader:
+            return list(reader.read_all().to_pylist())
+    with t.open_reader(partition=partition) as reader:
+        return [{n: record[n] for n in names} for record in reader]
