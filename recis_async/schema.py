@@ -378,7 +378,7 @@ def _array(value: Any, type_: OdpsType) -> Column:
             value = np.asarray(value)
         except ValueError:  # ragged rows
             value = np.array(list(value) + [None], dtype=object)[:-1]
-    if value.ndim == 2 and value.dtype.kind != "O":
+    if value.ndim == 2:
         rows, width = value.shape
         if rows * width > _OFFSET_MAX:
             raise _Reject(f"expected at most {_OFFSET_MAX} elements per step, got {rows * width}")

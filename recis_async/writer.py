@@ -9,9 +9,13 @@ waiting); only then does ``send`` wait, and that wait is counted in :meth:`stats
 A transient sink failure is retried with exponential backoff, resending the same immutable
 batch (the sink uses a fresh session or file name, and settles any attempt left in doubt
 first).  A permanent failure or exhausted retries spill the batch at once to a replayable
-file (:mod:`recis_async.spill`); at close, whatever is still pending when the deadline
-passes is spilled too, in-flight writes are abandoned, and :meth:`aclose` raises
-:class:`TraceDeliveryError` with the counts and the spill files.
+file (:mod:`recis_async.spill`).  Close delivers everything still pending by the deadline --
+itself, if the bus's cancellation already stopped the workers -- then spills what is left
+and raises :class:`TraceDeliveryError` with the counts and the spill files.
+
+An upload abandoned at the deadline or by cancellation never commits afterwards; one that
+was already committing is waited for (up to ``commit_wait`` seconds) so its outcome is known
+before the batch is retried or spilled.
 """
 
 from __future__ import annotations
@@ -68,6 +72,16 @@ class BatchSource(Protocol):
     def seal(self) -> Batch | None: ...
 
 
+def _write(sink: Sink, batch: Batch, attempt: Attempt) -> None:
+    """Run one write in a worker thread and record how it ended on the attempt."""
+    delivered = False
+    try:
+        sink.write(batch, attempt)
+        delivered = True
+    finally:
+        attempt.finish(delivered)
+
+
 class TraceWriter:
     """Deliver sealed :class:`~recis_async.buffer.Batch` es to ``sink`` in the background.
 
@@ -76,6 +90,7 @@ class TraceWriter:
     ``spill_dir``: where undeliverable batches go (default ``./trace_spill``).
     ``source``: the upstream buffer; sealed at close (and by the ``max_age`` timer once its
     oldest row is that many seconds old) and reported in :meth:`stats`.
+    ``commit_wait``: how long an abandoned upload that was already committing is waited for.
     """
 
     def __init__(
@@ -86,6 +101,7 @@ class TraceWriter:
         retries: int = 5,
         retry_backoff: float = 0.5,
         max_backoff: float = 30.0,
+        commit_wait: float = 3.0,
         spill_dir: str | os.PathLike[str] | None = None,
         source: BatchSource | None = None,
         max_age: float | None = None,
@@ -95,7 +111,11 @@ class TraceWriter:
             raise ValueError(f"worker_num: expected an int >= 1, got {worker_num!r}")
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise ValueError(f"retries: expected an int >= 0, got {retries!r}")
-        for label, value in (("retry_backoff", retry_backoff), ("max_backoff", max_backoff)):
+        for label, value in (
+            ("retry_backoff", retry_backoff),
+            ("max_backoff", max_backoff),
+            ("commit_wait", commit_wait),
+        ):
             if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
                 raise ValueError(f"{label}: expected a number of seconds >= 0, got {value!r}")
         if max_age is not None and (
@@ -108,6 +128,7 @@ class TraceWriter:
         self._retries = retries
         self._backoff = float(retry_backoff)
         self._max_backoff = float(max_backoff)
+        self._commit_wait = float(commit_wait)
         self._spill_dir = Path(spill_dir) if spill_dir is not None else Path.cwd() / "trace_spill"
         self._source = source
         self._max_age = None if max_age is None else float(max_age)
@@ -121,10 +142,12 @@ class TraceWriter:
         self._scopes: set[anyio.CancelScope] = set()
         self._open_lock = anyio.Lock()
         self._opened = False
-        self._pending: dict[int, Batch] = {}  # id(batch) -> batch, sent and not settled
-        self._unsent: list[SpillEntry] = []  # abandoned at the deadline, to spill at close
+        self._pending: dict[int, Batch] = {}  # id -> batch: handed over, not yet settled
+        self._held: dict[int, SpillEntry] = {}  # id -> batch put aside, with its doubt
         self._spill_files: list[Path] = []
+        self._spill_kinds: dict[str, int] = {}
         self._last_error: str | None = None
+        self._wait_s = 0.0
         self._stats = {
             "batches": 0,
             "rows": 0,
@@ -134,11 +157,13 @@ class TraceWriter:
             "spilled_rows": 0,
             "backpressure_waits": 0,
         }
-        self._wait_s = 0.0
 
     # ------------------------------------------------------------------ intake
     async def send(self, batch: Batch | None) -> None:
-        """Queue a sealed batch; waits only while ``worker_num + 1`` batches are pending."""
+        """Queue a sealed batch; waits only while ``worker_num + 1`` batches are pending.
+
+        If the wait is cancelled the batch is kept for close to deliver.
+        """
         if batch is None:
             return
         if self._closing:
@@ -146,23 +171,22 @@ class TraceWriter:
         self._pending[id(batch)] = batch
         try:
             self._tx.send_nowait(batch)
+            return
         except anyio.WouldBlock:
-            t = perf_counter()
-            try:
-                await self._tx.send(batch)
-            except BaseException:
-                self._pending.pop(id(batch), None)
-                raise
-            finally:
-                self._stats["backpressure_waits"] += 1
-                self._wait_s += perf_counter() - t
+            pass
+        t = perf_counter()
+        try:
+            await self._tx.send(batch)
         except BaseException:
-            self._pending.pop(id(batch), None)
+            self._hold(batch, None, "its hand-over was interrupted")
             raise
+        finally:
+            self._stats["backpressure_waits"] += 1
+            self._wait_s += perf_counter() - t
 
     def stats(self) -> Mapping[str, Any]:
         """Pending (queued + in flight) and buffered sizes, delivered and spilled counts,
-        retries, and time publishers spent waiting for room."""
+        retries, and the time publishers spent waiting for room."""
         source = self._source
         return {
             "queued_batches": len(self._pending),
@@ -183,13 +207,16 @@ class TraceWriter:
             async with anyio.create_task_group() as outer:
                 if self._max_age is not None and self._source is not None:
                     outer.start_soon(self._age_timer, name=f"{self.name}:max_age")
-                async with anyio.create_task_group() as workers:
-                    for i in range(self.worker_num):
-                        workers.start_soon(self._worker, name=f"{self.name}:worker{i}")
-                # the workers return once close closed the stream and it ran dry
+                await self._work(self._rx, self.worker_num)
                 outer.cancel_scope.cancel()
         finally:
             self._finished.set()
+
+    async def _work(self, rx: MemoryObjectReceiveStream[Batch], workers: int) -> None:
+        async with anyio.create_task_group() as tg:
+            for i in range(workers):
+                tg.start_soon(self._worker, rx.clone(), name=f"{self.name}:worker{i}")
+        rx.close()
 
     async def _age_timer(self) -> None:
         """Seal and queue the upstream buffer once its oldest row is ``max_age`` old."""
@@ -200,27 +227,28 @@ class TraceWriter:
             if not self._closing and source.rows and source.age() >= max_age:
                 await self.send(source.seal())
 
-    async def _worker(self) -> None:
-        async with self._rx.clone() as rx:
+    async def _worker(self, rx: MemoryObjectReceiveStream[Batch]) -> None:
+        async with rx:
             async for batch in rx:
-                if self._closing and anyio.current_time() >= self._deadline:
-                    self._abandon(batch, None, "the close deadline passed before it was sent")
-                    continue
-                await self._deliver(batch)
+                held = self._held.pop(id(batch), None)
+                await self._deliver(batch, held.in_doubt if held else None)
 
-    async def _deliver(self, batch: Batch) -> None:
-        """Write ``batch`` with retries; spill it if that fails; on cancellation (the close
-        deadline, or the bus cancelling its services) abandon it for close to spill."""
-        attempt = Attempt()
+    async def _deliver(self, batch: Batch, in_doubt: str | None) -> None:
+        """Write ``batch`` with retries; spill it if that fails; on the close deadline or a
+        cancellation put it aside (with its doubt) for close."""
+        attempt = Attempt(in_doubt)
         failures = 0
         try:
             while True:
+                if anyio.current_time() >= self._deadline:
+                    self._hold(batch, attempt.token, "the close deadline passed before it was sent")
+                    return
                 with anyio.CancelScope(deadline=self._deadline) as scope:
                     self._scopes.add(scope)
                     try:
                         await self._ensure_open(batch)
                         await anyio.to_thread.run_sync(
-                            self.sink.write, batch, attempt, abandon_on_cancel=True
+                            _write, self.sink, batch, attempt, abandon_on_cancel=True
                         )
                     except SinkError as exc:
                         error: Exception | None = exc
@@ -232,15 +260,12 @@ class TraceWriter:
                     finally:
                         self._scopes.discard(scope)
                 if scope.cancelled_caught:
-                    self._abandon(
-                        batch, attempt.abandon(), "the close deadline passed during its upload"
+                    await self._abandon(
+                        batch, attempt, "the close deadline passed during its upload"
                     )
                     return
                 if error is None:
-                    self._pending.pop(id(batch), None)
-                    self._stats["batches"] += 1
-                    self._stats["rows"] += batch.rows
-                    self._stats["bytes"] += batch.nbytes
+                    self._delivered(batch)
                     return
                 self._last_error = f"{type(error).__name__}: {error}"
                 attempt = Attempt(attempt.token)  # the next try settles what is in doubt first
@@ -255,7 +280,7 @@ class TraceWriter:
                         error,
                     )
                     await self._spill(
-                        [SpillEntry(batch, attempt.token)], f"{why}: {self._last_error}"
+                        [SpillEntry(batch, attempt.token)], why, f"{why}: {self._last_error}"
                     )
                     return
                 failures += 1
@@ -278,14 +303,35 @@ class TraceWriter:
                         await anyio.sleep(delay)
                     finally:
                         self._scopes.discard(wait)
-                if wait.cancelled_caught:
-                    self._abandon(
-                        batch, attempt.abandon(), "the close deadline passed while retrying"
-                    )
-                    return
         except anyio.get_cancelled_exc_class():
-            self._abandon(batch, attempt.abandon(), "the writer was cancelled")
+            with anyio.CancelScope(shield=True):
+                await self._abandon(batch, attempt, "the writer was cancelled")
             raise
+
+    def _delivered(self, batch: Batch) -> None:
+        self._pending.pop(id(batch), None)
+        self._held.pop(id(batch), None)
+        self._stats["batches"] += 1
+        self._stats["rows"] += batch.rows
+        self._stats["bytes"] += batch.nbytes
+
+    async def _abandon(self, batch: Batch, attempt: Attempt, why: str) -> None:
+        """Stop ``attempt``; if it was committing, wait for that to end; then either count the
+        batch as delivered or put it aside with what is still in doubt."""
+        token = attempt.abandon()
+        if token is not None and not attempt.done.is_set():
+            await anyio.to_thread.run_sync(attempt.done.wait, self._commit_wait)
+        if attempt.done.is_set() and attempt.delivered:
+            self._delivered(batch)
+            return
+        self._hold(batch, attempt.token, why)
+
+    def _hold(self, batch: Batch, token: str | None, why: str) -> None:
+        logger.warning(
+            "%s: batch %d (%d rows) put aside: %s", self.name, batch.seq, batch.rows, why
+        )
+        self._pending[id(batch)] = batch
+        self._held[id(batch)] = SpillEntry(batch, token)
 
     async def _ensure_open(self, batch: Batch) -> None:
         if self._opened:
@@ -297,71 +343,50 @@ class TraceWriter:
                 )
                 self._opened = True
 
-    def _abandon(self, batch: Batch, token: str | None, why: str) -> None:
-        if any(e.batch is batch for e in self._unsent):
-            return
-        logger.warning(
-            "%s: batch %d (%d rows) abandoned: %s", self.name, batch.seq, batch.rows, why
-        )
-        self._unsent.append(SpillEntry(batch, token))
-
-    async def _spill(self, entries: list[SpillEntry], reason: str) -> None:
+    async def _spill(self, entries: list[SpillEntry], kind: str, reason: str) -> None:
         """Write ``entries`` to a spill file; shielded, so cancellation cannot lose them."""
         if not entries:
             return
         with anyio.CancelScope(shield=True):
-            try:
-                path = await anyio.to_thread.run_sync(
-                    lambda: write_spill(
-                        self._spill_dir,
-                        entries,
-                        sink_name=self.sink.name,
-                        reason=reason,
-                        prefix=self.name,
-                    )
+            path = await anyio.to_thread.run_sync(
+                lambda: write_spill(
+                    self._spill_dir,
+                    entries,
+                    sink_name=self.sink.name,
+                    reason=reason,
+                    prefix=self.name,
                 )
-            except Exception as exc:
-                # nowhere safe to put them: keep them pending so close reports them as lost
-                logger.error(
-                    "%s: cannot write spill file in %s: %s", self.name, self._spill_dir, exc
-                )
-                self._last_error = f"spill failed: {exc}"
-                raise
-            for entry in entries:
-                self._pending.pop(id(entry.batch), None)
-                self._stats["spilled"] += 1
-                self._stats["spilled_rows"] += entry.batch.rows
-            self._spill_files.append(path)
-            logger.error(
-                "%s: spilled %d batches (%d rows) to %s",
-                self.name,
-                len(entries),
-                sum(e.batch.rows for e in entries),
-                path,
             )
+        for entry in entries:
+            self._pending.pop(id(entry.batch), None)
+            self._held.pop(id(entry.batch), None)
+            self._stats["spilled"] += 1
+            self._stats["spilled_rows"] += entry.batch.rows
+        self._spill_kinds[kind] = self._spill_kinds.get(kind, 0) + len(entries)
+        self._spill_files.append(path)
+        logger.error(
+            "%s: spilled %d batch(es) (%d rows) to %s",
+            self.name,
+            len(entries),
+            sum(e.batch.rows for e in entries),
+            path,
+        )
 
+    # ------------------------------------------------------------------ close
     async def aclose(self, deadline: float) -> None:
         """Seal what is buffered upstream, deliver everything pending by ``deadline``, spill
         the rest, close the sink; raise :class:`TraceDeliveryError` if anything was spilled."""
         try:
             await self._drain(deadline)
         finally:
-            # even when cancelled (a second stop signal), keep what was not delivered
-            leftovers = list(self._unsent)
-            self._unsent.clear()
-            while True:
-                try:
-                    leftovers.append(SpillEntry(self._rx.receive_nowait(), None))
-                except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
-                    break
-            seen = {id(e.batch) for e in leftovers}
-            leftovers.extend(
-                SpillEntry(b, None) for i, b in list(self._pending.items()) if i not in seen
-            )
+            # also when cancelled (a second stop signal): keep what was not delivered
             try:
-                await self._spill(
-                    leftovers, f"not delivered by the close deadline: {self._last_error}"
-                )
+                leftovers = [
+                    self._held.get(key) or SpillEntry(batch, None)
+                    for key, batch in self._pending.items()
+                ]
+                reason = f"not delivered by the close deadline; last error: {self._last_error}"
+                await self._spill(leftovers, "close deadline", reason)
             finally:
                 with anyio.CancelScope(shield=True):
                     if self._opened:
@@ -371,9 +396,11 @@ class TraceWriter:
                             logger.warning("%s: closing the sink failed: %s", self.name, exc)
         if self._stats["spilled"]:
             files = tuple(self._spill_files)
+            kinds = ", ".join(f"{k}: {n}" for k, n in self._spill_kinds.items())
             raise TraceDeliveryError(
                 f"{self.name}: {self._stats['spilled']} batch(es) ({self._stats['spilled_rows']} "
-                f"rows) were not delivered ({self._stats['batches']} delivered) and were spilled "
+                f"rows) were not delivered ({kinds}; {self._stats['batches']} delivered) and "
+                f"were spilled "
                 f"to {', '.join(map(str, files))}; replay them with "
                 f"recis_async.spill.replay_spill(path, sink). Last error: {self._last_error}",
                 spilled_batches=self._stats["spilled"],
@@ -382,28 +409,40 @@ class TraceWriter:
             )
 
     async def _drain(self, deadline: float) -> None:
-        # let run() start if the bus closes before it ever yielded to it
-        with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
-            await self._running.wait()
-        if self._source is not None:
-            remainder = self._source.seal()
-            if remainder is not None:
-                with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
-                    await self.send(remainder)
-                    remainder = None
-                if remainder is not None:
-                    self._unsent.append(SpillEntry(remainder, None))
+        def left() -> float:
+            return max(0.0, deadline - anyio.current_time())
+
+        remainder = self._source.seal() if self._source is not None else None
+        with anyio.move_on_after(left()):
+            await self._running.wait()  # let run() start if the bus never yielded to it
+        workers_alive = self._running.is_set() and not self._finished.is_set()
+        if remainder is not None:
+            self._pending[id(remainder)] = remainder  # the backlog pass below takes it if
+            try:  # the workers cannot (they may be cancelled along with the bus)
+                self._tx.send_nowait(remainder)
+            except anyio.WouldBlock:
+                pass
         self._closing = True
         self._deadline = deadline
         for scope in list(self._scopes):
             scope.deadline = deadline
-        self._tx.close()  # workers finish what is queued, then return
-        if not self._running.is_set():
-            return
-        with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
-            await self._finished.wait()
-        if not self._finished.is_set():  # a worker ignored its deadline: stop waiting for it
-            for scope in list(self._scopes):
-                scope.cancel()
-            with anyio.move_on_after(1.0):
+        self._tx.close()  # the workers finish what is queued, then return
+        if workers_alive:
+            with anyio.move_on_after(left()):
                 await self._finished.wait()
+            # past the deadline, workers are abandoning their uploads; one that was
+            # committing is waited for (commit_wait), so let them settle before spilling
+            with anyio.move_on_after(self._commit_wait + 1.0):
+                await self._finished.wait()
+        # Whatever is still pending (put aside, or never picked up because the workers were
+        # cancelled with the bus's task group) is delivered here, within the deadline.
+        self._rx.close()
+        backlog = list(self._pending.values())
+        if not backlog or left() <= 0:
+            return
+        tx, rx = anyio.create_memory_object_stream[Batch](len(backlog))
+        for batch in backlog:
+            tx.send_nowait(batch)
+        tx.close()
+        with anyio.CancelScope(deadline=deadline):
+            await self._work(rx, min(self.worker_num, len(backlog)))

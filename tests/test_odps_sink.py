@@ -29,12 +29,16 @@ def server() -> Iterator[OdpsServer]:
         yield srv
 
 
-def opened(sink: OdpsSink, fields: tuple[str, ...] | list[str], types: tuple[str, ...] | list[str]) -> OdpsSink:
+def opened(
+    sink: OdpsSink, fields: tuple[str, ...] | list[str], types: tuple[str, ...] | list[str]
+) -> OdpsSink:
     sink.open(tuple(fields), tuple(parse_type(t) for t in types))
     return sink
 
 
-def simple_sink(server: OdpsServer, table: str = "t", partition: str | None = "dt=20261122") -> OdpsSink:
+def simple_sink(
+    server: OdpsServer, table: str = "t", partition: str | None = "dt=20261122"
+) -> OdpsSink:
     return opened(OdpsSink(sink_config(server, table, partition)), *SIMPLE)
 
 
@@ -43,7 +47,9 @@ def ids(server: OdpsServer, table: str = "t", partition: str | None = "dt=202611
 
 
 def test_every_type_round_trips_through_odps(server: OdpsServer) -> None:
-    sink = opened(OdpsSink(sink_config(server, "all_types", "dt=20261122,hour=10")), ALL_FIELDS, ALL_TYPES)
+    sink = opened(
+        OdpsSink(sink_config(server, "all_types", "dt=20261122,hour=10")), ALL_FIELDS, ALL_TYPES
+    )
     sink.write(all_types_batch(rows=6, steps=3), Attempt())
     expected = [expected_row(i) for i in range(6)]
     assert read_with_pyodps(server, "all_types", "dt=20261122,hour=10") == expected
@@ -73,9 +79,13 @@ def test_an_existing_table_with_other_columns_is_a_permanent_error(server: OdpsS
     with pytest.raises(SinkError) as info:
         opened(other, ("id", "v"), ("bigint", "string"))
     assert info.value.transient is False
-    assert "existing table has columns id bigint, v double; expected id bigint, v string" in str(info.value)
+    assert "existing table has columns id bigint, v double; expected id bigint, v string" in str(
+        info.value
+    )
     partitioned = OdpsSink(sink_config(server, "t", "dt=1"))
-    with pytest.raises(SinkError, match="partitioned by nothing; the configured partition has keys"):
+    with pytest.raises(
+        SinkError, match="partitioned by nothing; the configured partition has keys"
+    ):
         opened(partitioned, *SIMPLE)
 
 
@@ -153,8 +163,13 @@ def test_credentials_never_show(
     caplog.set_level(logging.DEBUG)  # every logger, pyodps's request logs included
     sink = opened(OdpsSink(sink_config(server, "t", "dt=1")), *SIMPLE)
     texts = [repr(sink), sink.name, str(vars(sink))]
-    for op, action in [("put_block", "503"), ("put_block", "reset"), ("put_block", "4xx"),
-                       ("commit", "lost"), ("create_upload", "4xx")]:
+    for op, action in [
+        ("put_block", "503"),
+        ("put_block", "reset"),
+        ("put_block", "4xx"),
+        ("commit", "lost"),
+        ("create_upload", "4xx"),
+    ]:
         server.inject(op, action)
         try:
             sink.write(simple_batches(1)[0], Attempt())
@@ -180,7 +195,9 @@ def test_wrapped_error_messages_are_scrubbed(server: OdpsServer) -> None:
     assert info.value.__cause__ is None and info.value.__suppress_context__
 
 
-def test_credentials_may_come_from_the_environment(server: OdpsServer, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_credentials_may_come_from_the_environment(
+    server: OdpsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("ALIBABA_CLOUD_ACCESS_KEY_ID", TEST_ACCESS_ID)
     monkeypatch.setenv("ALIBABA_CLOUD_ACCESS_KEY_SECRET", TEST_SECRET)
     config = sink_config(server, "t", "dt=1")
@@ -195,9 +212,18 @@ def test_credentials_may_come_from_the_environment(server: OdpsServer, monkeypat
     [
         ({"project": None}, "config: missing required key(s): project"),
         ({"table_name": None, "end_point": None}, "missing required key(s): end_point, table_name"),
-        ({"access_key": None}, "access_key (or the ALIBABA_CLOUD_ACCESS_KEY_SECRET environment variable)"),
-        ({"endpoint": "http://x"}, "config: unknown key(s) 'endpoint'; expected access_id, access_key"),
-        ({"end_point": "service.odps"}, "config['end_point']: expected an http(s) URL, got 'service.odps'"),
+        (
+            {"access_key": None},
+            "access_key (or the ALIBABA_CLOUD_ACCESS_KEY_SECRET environment variable)",
+        ),
+        (
+            {"endpoint": "http://x"},
+            "config: unknown key(s) 'endpoint'; expected access_id, access_key",
+        ),
+        (
+            {"end_point": "service.odps"},
+            "config['end_point']: expected an http(s) URL, got 'service.odps'",
+        ),
         ({"table_name": ""}, "config['table_name']: expected a non-empty string, got ''"),
         ({"access_key": 12}, "config['access_key']: expected a non-empty string, got <redacted>"),
         ({"partition": "dt"}, "partition: expected 'key=value' pairs, got 'dt'"),
@@ -240,7 +266,10 @@ def test_pyodps_is_imported_lazily_and_leaves_no_global_entry(tmp_path: Path) ->
     )
     tests_dir = str(Path(__file__).parent)
     result = subprocess.run(
-        [sys.executable, str(script), tests_dir], capture_output=True, text=True, timeout=60,
+        [sys.executable, str(script), tests_dir],
+        capture_output=True,
+        text=True,
+        timeout=60,
         env={"PYTHONPATH": str(Path(__file__).parent.parent), "PATH": "/usr/bin:/bin"},
     )
     assert result.returncode == 0, result.stderr

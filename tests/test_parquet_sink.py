@@ -42,9 +42,13 @@ def test_every_type_round_trips_through_pyarrow_and_pandas(tmp_path: Path) -> No
     assert frame["c_string"][5] == "row-5-é"
 
 
-def test_layout_is_partition_folders_with_rank_and_seq(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_layout_is_partition_folders_with_rank_and_seq(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("RANK", "3")
-    sink = opened(ParquetSink(tmp_path, "tr", "dt=20261122,hour=10"), ["id", "v"], ["bigint", "double"])
+    sink = opened(
+        ParquetSink(tmp_path, "tr", "dt=20261122,hour=10"), ["id", "v"], ["bigint", "double"]
+    )
     assert sink.directory == tmp_path / "tr" / "dt=20261122" / "hour=10"
     for batch in simple_batches(3):
         sink.write(batch, Attempt())

@@ -49,7 +49,9 @@ def test_type_names_are_case_and_space_insensitive(text: str, canonical: str) ->
     assert parse_type(text, "f").name == canonical
 
 
-@pytest.mark.parametrize("bad", ["varchar", "array<boolean>", "array<array<int>>", "map<string,int>", ""])
+@pytest.mark.parametrize(
+    "bad", ["varchar", "array<boolean>", "array<array<int>>", "map<string,int>", ""]
+)
 def test_unknown_type_names_the_field_and_the_supported_types(bad: str) -> None:
     with pytest.raises(ValueError) as info:
         parse_type(bad, "score")
@@ -92,7 +94,9 @@ def sample(type_name: str, rows: int = 4) -> object:
 
 
 @pytest.mark.parametrize("type_name", ALL_TYPES)
-def test_every_type_converts_to_a_read_only_column_and_round_trips_through_arrow(type_name: str) -> None:
+def test_every_type_converts_to_a_read_only_column_and_round_trips_through_arrow(
+    type_name: str,
+) -> None:
     type_ = parse_type(type_name)
     column = convert("f", type_, sample(type_name))
     assert column.rows == 4
@@ -149,23 +153,51 @@ def test_byte_accounting_is_exact() -> None:
     ("type_name", "value", "expected"),
     [
         ("bigint", np.array([1.5]), "field 'f' (bigint): expected integer values, got float64"),
-        ("int", np.array([2**40]), "expected values within int range [-2147483648, 2147483647], got 1099511627776 at row 0"),
+        (
+            "int",
+            np.array([2**40]),
+            "expected values within int range [-2147483648, 2147483647], got 1099511627776 at row 0",
+        ),
         ("bigint", np.array([2**64 - 1], np.uint64), "expected values within bigint range"),
         ("double", np.array(["x"]), "expected integer or floating-point values, got <U1"),
         ("boolean", np.array([0, 2]), "expected bool values (or 0/1), got 2 at row 1"),
         ("boolean", np.array([0.5]), "expected bool values, got float64"),
-        ("string", [1, 2], "field 'f' (string): expected str values (or UTF-8 bytes), got list of 2 items, first item int"),
+        (
+            "string",
+            [1, 2],
+            "field 'f' (string): expected str values (or UTF-8 bytes), got list of 2 items, first item int",
+        ),
         ("string", [b"\xff"], "expected str values (or UTF-8 bytes)"),
         ("string", ["a", None], "expected string values, got None at row 1"),
         ("binary", np.arange(3), "expected bytes values, got int64"),
-        ("datetime", np.arange(3), "expected datetime64 values or datetime.datetime objects, got int64"),
+        (
+            "datetime",
+            np.arange(3),
+            "expected datetime64 values or datetime.datetime objects, got int64",
+        ),
         ("datetime", [dt.datetime(2026, 1, 1, tzinfo=dt.UTC)], "expected naive datetimes"),
         ("datetime", np.array(["NaT"], "datetime64[ms]"), "expected datetimes, got NaT at row 0"),
-        ("bigint", np.zeros((2, 2), np.int64), "field 'f' (bigint): expected a 1-D array (one value per row), got shape (2, 2)"),
-        ("array<float>", np.zeros(3), "field 'f' (array<float>): expected a 2-D (rows, n) array or a sequence of sequences, got float64 array of shape (3,)"),
-        ("array<bigint>", [[1], [2.5]], "field 'f' (array<bigint>): expected integer values, got float64"),
+        (
+            "bigint",
+            np.zeros((2, 2), np.int64),
+            "field 'f' (bigint): expected a 1-D array (one value per row), got shape (2, 2)",
+        ),
+        (
+            "array<float>",
+            np.zeros(3),
+            "field 'f' (array<float>): expected a 2-D (rows, n) array or a sequence of sequences, got float64 array of shape (3,)",
+        ),
+        (
+            "array<bigint>",
+            [[1], [2.5]],
+            "field 'f' (array<bigint>): expected integer values, got float64",
+        ),
         ("array<bigint>", [[1], 5], "expected a sequence of elements per row, got int at row 1"),
-        ("bigint", 7, "field 'f' (bigint): expected an array or list with one entry per row, got int (7)"),
+        (
+            "bigint",
+            7,
+            "field 'f' (bigint): expected an array or list with one entry per row, got int (7)",
+        ),
         ("string", "abc", "expected an array or list with one entry per row, got str ('abc')"),
     ],
 )

@@ -48,7 +48,9 @@ def test_spill_files_are_arrow_ipc_streams_with_documented_metadata(tmp_path: Pa
 
 def test_replay_delivers_every_batch_once_and_removes_the_file(tmp_path: Path) -> None:
     batches = simple_batches(3)
-    path = write_spill(tmp_path / "spill", [SpillEntry(b, None) for b in batches], sink_name="x", reason="r")
+    path = write_spill(
+        tmp_path / "spill", [SpillEntry(b, None) for b in batches], sink_name="x", reason="r"
+    )
     report = replay_spill(path, ParquetSink(tmp_path, "t", rank=0))
     assert (report.delivered, report.skipped, report.rows) == (3, 0, 15)
     assert written_ids(tmp_path) == list(range(15))
@@ -94,11 +96,17 @@ class _CrashingSink:
 
 
 @pytest.mark.parametrize("after_write", [False, True])
-def test_an_interrupted_replay_can_be_run_again_without_duplicates(tmp_path: Path, after_write: bool) -> None:
+def test_an_interrupted_replay_can_be_run_again_without_duplicates(
+    tmp_path: Path, after_write: bool
+) -> None:
     batches = simple_batches(3)
-    path = write_spill(tmp_path / "spill", [SpillEntry(b, None) for b in batches], sink_name="x", reason="r")
+    path = write_spill(
+        tmp_path / "spill", [SpillEntry(b, None) for b in batches], sink_name="x", reason="r"
+    )
     with pytest.raises(SinkError, match="crash"):
-        replay_spill(path, _CrashingSink(ParquetSink(tmp_path, "t", rank=0), 1, after_write=after_write))
+        replay_spill(
+            path, _CrashingSink(ParquetSink(tmp_path, "t", rank=0), 1, after_write=after_write)
+        )
     assert path.exists()
     journal = path.with_name(path.name + ".journal").read_text().splitlines()
     assert {"seq": 0, "done": True} in [json.loads(line) for line in journal]
@@ -114,7 +122,9 @@ def server() -> Iterator[OdpsServer]:
         yield srv
 
 
-def test_replay_into_odps_settles_a_commit_left_in_doubt(server: OdpsServer, tmp_path: Path) -> None:
+def test_replay_into_odps_settles_a_commit_left_in_doubt(
+    server: OdpsServer, tmp_path: Path
+) -> None:
     config = sink_config(server, "t", "dt=1")
     first, second = simple_batches(2)
     sink = OdpsSink(config)
@@ -126,7 +136,10 @@ def test_replay_into_odps_settles_a_commit_left_in_doubt(server: OdpsServer, tmp
         sink.write(first, attempt)
     server.clear_faults()
     path = write_spill(
-        tmp_path, [SpillEntry(first, attempt.token), SpillEntry(second, None)], sink_name=sink.name, reason="r"
+        tmp_path,
+        [SpillEntry(first, attempt.token), SpillEntry(second, None)],
+        sink_name=sink.name,
+        reason="r",
     )
     assert replay_spill(path, OdpsSink(config)).delivered == 2
     assert sorted(r["id"] for r in read_with_pyodps(server, "t", "dt=1")) == list(range(10))

@@ -46,15 +46,18 @@ class Attempt:
     """One call of :meth:`Sink.write`: its in-doubt token and the writer's abandon switch.
 
     Thread-safe: the sink uses it from a worker thread while the writer may abandon it from
-    the event loop.
+    the event loop.  Whoever runs the ``write`` call :meth:`finish` es the attempt, so a
+    writer that abandoned it can wait for a commit already under way to end.
     """
 
-    __slots__ = ("_lock", "_token", "_abandoned")
+    __slots__ = ("_lock", "_token", "_abandoned", "_delivered", "done")
 
     def __init__(self, in_doubt: str | None = None) -> None:
         self._lock = threading.Lock()
         self._token = in_doubt
         self._abandoned = False
+        self._delivered = False
+        self.done = threading.Event()
 
     @property
     def token(self) -> str | None:
@@ -66,6 +69,12 @@ class Attempt:
     def abandoned(self) -> bool:
         with self._lock:
             return self._abandoned
+
+    @property
+    def delivered(self) -> bool:
+        """Whether the ``write`` call returned normally (set by :meth:`finish`)."""
+        with self._lock:
+            return self._delivered
 
     def commit(self, token: str) -> bool:
         """Declare that the irreversible step named ``token`` is about to run.
@@ -89,6 +98,12 @@ class Attempt:
         with self._lock:
             self._abandoned = True
             return self._token
+
+    def finish(self, delivered: bool) -> None:
+        """Record that the ``write`` call ended (returned: ``delivered``) and wake waiters."""
+        with self._lock:
+            self._delivered = delivered
+        self.done.set()
 
 
 @runtime_checkable

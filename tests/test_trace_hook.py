@@ -1,0 +1,397 @@
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pyarrow.dataset as pads
+import pytest
+from odps_server import TEST_SECRET, OdpsServer, read_with_pyodps, sink_config
+from trace_data import ALL_FIELDS, ALL_TYPES, all_types_step, expected_row
+
+from recis_async import HookBus, HookError, add_to_trace
+from recis_async.events import AfterStep, BeforeStep
+from recis_async.hooks import TraceHook, TraceToOdpsHook
+from recis_async.sinks import OdpsSink, ParquetSink
+from recis_async.spill import read_spill, replay_spill
+
+FIELDS = ["id", "emb"]
+TYPES = ["bigint", "array<float>"]
+ROWS = 32  # per step; one step is 32 * 8 + 32 * 8 * 4 + 33 * 4 = 1412 bytes
+
+
+@pytest.fixture
+def server() -> Iterator[OdpsServer]:
+    with OdpsServer("trace_proj") as srv:
+        yield srv
+
+
+async def run_steps(bus: HookBus, steps: range, *, rows: int = ROWS) -> None:
+    for step in steps:
+        await bus.publish(BeforeStep(global_step=step))
+        add_to_trace("id", np.arange(step * rows, (step + 1) * rows))
+        add_to_trace("emb", np.full((rows, 8), step, np.float32))
+        await bus.publish(AfterStep(global_step=step, samples=rows))
+
+
+def parquet_ids(root: Path, table: str = "t") -> list[int]:
+    if not (root / table).exists():
+        return []
+    return sorted(pads.dataset(root / table).to_table().column("id").to_pylist())
+
+
+def odps_ids(
+    server: OdpsServer, table: str = "t", partition: str | None = "dt=20261122"
+) -> list[int]:
+    return sorted(row["id"] for row in read_with_pyodps(server, table, partition))
+
+
+def parquet_hook(root: Path, **kw: Any) -> TraceHook:
+    kw.setdefault("size_threshold", 4096)
+    kw.setdefault("retry_backoff", 0.01)
+    kw.setdefault("spill_dir", root / "spill")
+    return TraceHook(ParquetSink(root, "t", rank=0), FIELDS, TYPES, **kw)
+
+
+def odps_hook(server: OdpsServer, root: Path, **kw: Any) -> TraceToOdpsHook:
+    kw.setdefault("size_threshold", 4096)
+    kw.setdefault("retry_backoff", 0.01)
+    kw.setdefault("spill_dir", root / "spill")
+    return TraceToOdpsHook(sink_config(server, "t", "dt=20261122"), FIELDS, TYPES, **kw)
+
+
+# ----------------------------------------------------------------------------- delivery
+
+
+@pytest.mark.anyio
+async def test_clean_end_writes_every_row_once_in_size_bounded_files(tmp_path: Path) -> None:
+    hook = parquet_hook(tmp_path, worker_num=2)
+    async with HookBus() as bus:
+        bus.add_hook(hook)
+        await run_steps(bus, range(40))
+    assert parquet_ids(tmp_path) == list(range(40 * ROWS))
+    files = list((tmp_path / "t").glob("part-0-*.parquet"))
+    assert len(files) == 14  # 3 steps (4236 bytes) per sealed batch, plus the rest at close
+    stats = hook.writer.stats()
+    assert stats["batches"] == 14 and stats["rows"] == 40 * ROWS and stats["spilled"] == 0
+    assert stats["queued_batches"] == 0 and stats["buffered_rows"] == 0
+
+
+@pytest.mark.anyio
+async def test_every_type_goes_through_the_hook_to_parquet_and_odps(
+    tmp_path: Path, server: OdpsServer
+) -> None:
+    parquet = TraceHook(
+        ParquetSink(tmp_path, "all", rank=0), ALL_FIELDS, ALL_TYPES, size_threshold=2000
+    )
+    odps = TraceToOdpsHook(
+        sink_config(server, "all", "dt=1"), ALL_FIELDS, ALL_TYPES, size_threshold=2000
+    )
+    async with HookBus() as bus:
+        bus.add_hook(parquet)
+        bus.add_hook(odps)
+        for step in range(5):
+            await bus.publish(BeforeStep(global_step=step))
+            for name, value in all_types_step(4, start=step * 4).items():
+                add_to_trace(
+                    name, value if not isinstance(value, list) else np.array(value, dtype=object)
+                )
+            await bus.publish(AfterStep(global_step=step))
+    expected = [expected_row(i) for i in range(20)]
+    table = pads.dataset(tmp_path / "all").to_table()
+    assert sorted(table.to_pylist(), key=lambda r: r["c_int"]) == sorted(
+        expected, key=lambda r: r["c_int"]
+    )
+    assert sorted(read_with_pyodps(server, "all", "dt=1"), key=lambda r: r["c_int"]) == sorted(
+        expected, key=lambda r: r["c_int"]
+    )
+
+
+@pytest.mark.anyio
+async def test_body_raising_keeps_every_row(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="boom"):
+        async with HookBus() as bus:
+            bus.add_hook(parquet_hook(tmp_path))
+            await run_steps(bus, range(7))
+            raise RuntimeError("boom")
+    assert parquet_ids(tmp_path) == list(range(7 * ROWS))
+
+
+@pytest.mark.anyio
+async def test_cancellation_keeps_every_row(tmp_path: Path) -> None:
+    published = 0
+    with anyio.CancelScope() as scope:
+        async with HookBus() as bus:
+            bus.add_hook(parquet_hook(tmp_path, worker_num=2))
+            for step in range(1000):
+                await run_steps(bus, range(step, step + 1))
+                published += 1
+                if step == 9:
+                    scope.cancel()
+                await anyio.sleep(0)  # the cancellation lands here
+    assert scope.cancelled_caught
+    assert published == 10
+    assert parquet_ids(tmp_path) == list(range(10 * ROWS))
+
+
+@pytest.mark.anyio
+async def test_steps_without_trace_write_nothing(tmp_path: Path) -> None:
+    hook = parquet_hook(tmp_path)
+    async with HookBus() as bus:
+        bus.add_hook(hook)
+        for step in range(3):
+            await bus.publish(BeforeStep(global_step=step))
+            await bus.publish(AfterStep(global_step=step))
+    assert not (tmp_path / "t").exists() or not list((tmp_path / "t").iterdir())
+    assert hook.writer.stats()["batches"] == 0
+
+
+@pytest.mark.anyio
+async def test_max_age_seals_a_small_buffer_while_training_idles(tmp_path: Path) -> None:
+    async with HookBus() as bus:
+        bus.add_hook(parquet_hook(tmp_path, size_threshold=10**9, max_age=0.2))
+        await run_steps(bus, range(2))
+        with anyio.fail_after(5):
+            while not parquet_ids(tmp_path):
+                await anyio.sleep(0.05)
+        assert parquet_ids(tmp_path) == list(range(2 * ROWS))
+        await run_steps(bus, range(2, 3))
+    assert parquet_ids(tmp_path) == list(range(3 * ROWS))
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+@pytest.mark.anyio
+async def test_a_bad_step_fails_its_publish_and_buffers_nothing(tmp_path: Path) -> None:
+    hook = parquet_hook(tmp_path)
+    async with HookBus() as bus:
+        bus.add_hook(hook)
+        await run_steps(bus, range(2))
+        await bus.publish(BeforeStep(global_step=2))
+        add_to_trace("id", np.arange(5))
+        add_to_trace("emb", np.ones((4, 8), np.float32))
+        with pytest.raises(HookError) as info:
+            await bus.publish(AfterStep(global_step=2))
+        assert "TraceHook.after_step failed on AfterStep" in str(info.value)
+        assert "expected 5 rows (from 'id') in every field, got id=5, emb=4" in str(info.value)
+        assert isinstance(info.value.__cause__, ValueError)
+        await bus.publish(BeforeStep(global_step=3))
+        add_to_trace("id", np.arange(4))
+        add_to_trace("emb", np.ones(4))
+        with pytest.raises(HookError, match=r"field 'emb' \(array<float>\): expected a 2-D"):
+            await bus.publish(AfterStep(global_step=3))
+        await bus.publish(BeforeStep(global_step=4))
+        add_to_trace("id", np.arange(4))
+        with pytest.raises(HookError, match="missing 'emb'"):
+            await bus.publish(AfterStep(global_step=4))
+        await run_steps(bus, range(5, 6))
+    assert parquet_ids(tmp_path) == list(range(2 * ROWS)) + list(range(5 * ROWS, 6 * ROWS))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"fields": ["a", "b"], "types": ["bigint"]}, ValueError, "same length: got 2 fields"),
+        (
+            {"types": ["bigint", "array<bool>"]},
+            ValueError,
+            "field 'emb': unknown ODPS type 'array<bool>'",
+        ),
+        ({"worker_num": 0}, ValueError, "worker_num: expected an int >= 1, got 0"),
+        ({"worker_num": 1.5}, ValueError, "worker_num: expected an int >= 1, got 1.5"),
+        (
+            {"size_threshold": 0},
+            ValueError,
+            "size_threshold: expected an int number of bytes > 0, got 0",
+        ),
+        ({"max_age": -1}, ValueError, "max_age: expected None or a number of seconds > 0, got -1"),
+        (
+            {"sink": object()},
+            TypeError,
+            "sink: expected a Sink (name, open, write, close), got object",
+        ),
+    ],
+)
+def test_constructor_arguments_are_checked(
+    tmp_path: Path, kwargs: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    args: dict[str, Any] = {"sink": ParquetSink(tmp_path, "t"), "fields": FIELDS, "types": TYPES}
+    args.update(kwargs)
+    with pytest.raises(error) as info:
+        TraceHook(**args)
+    assert message in str(info.value)
+
+
+def test_trace_to_odps_hook_is_trace_hook_on_an_odps_sink(server: OdpsServer) -> None:
+    hook = TraceToOdpsHook(sink_config(server, "t", "dt=1"), FIELDS, TYPES, worker_num=2)
+    assert isinstance(hook, TraceHook) and isinstance(hook.sink, OdpsSink)
+    assert hook.writer.worker_num == 2 and hook.types == tuple(TYPES)
+    with pytest.raises(ValueError, match="config: missing required key"):
+        TraceToOdpsHook({"project": "p"}, FIELDS, TYPES)
+    assert TEST_SECRET not in repr(hook)
+
+
+# ----------------------------------------------------------------------------- ODPS faults
+
+
+@pytest.mark.anyio
+async def test_transient_odps_faults_are_retried_and_deliver_exactly_once(
+    server: OdpsServer, tmp_path: Path
+) -> None:
+    server.inject("put_block", "503", times=3)
+    server.inject("put_block", "reset", times=2, after=4)
+    server.inject("commit", "lost", times=2, after=1)
+    hook = odps_hook(server, tmp_path, worker_num=2)
+    async with HookBus() as bus:
+        bus.add_hook(hook)
+        await run_steps(bus, range(30))
+    assert odps_ids(server) == list(range(30 * ROWS))
+    stats = hook.writer.stats()
+    assert stats["retries"] == 5 and stats["spilled"] == 0
+    assert sum("fault lost response commit" in line for line in server.log_lines) == 2
+
+
+@pytest.mark.anyio
+async def test_a_permanent_error_spills_raises_at_close_and_replays_exactly_once(
+    server: OdpsServer, tmp_path: Path
+) -> None:
+    server.inject("put_block", "4xx", after=2)  # the third batch is refused
+    hook = odps_hook(server, tmp_path)
+    with pytest.raises(HookError) as info:
+        async with HookBus() as bus:
+            bus.add_hook(hook)
+            await run_steps(bus, range(20))
+    message = str(info.value)
+    assert (
+        "1 batch(es) (96 rows) were not delivered (permanent error: 1; 6 delivered) and were spilled to"
+        in message
+    )
+    assert "NoPermission" in message
+    (path,) = (tmp_path / "spill").glob("*.arrows")
+    assert str(path) in message
+    assert read_spill(path).rows == 3 * ROWS
+    assert len(odps_ids(server)) == 17 * ROWS
+    report = replay_spill(path, OdpsSink(sink_config(server, "t", "dt=20261122")))
+    assert report.rows == 3 * ROWS
+    assert odps_ids(server) == list(range(20 * ROWS))
+
+
+@pytest.mark.anyio
+async def test_retries_exhausted_spill_the_batch(server: OdpsServer, tmp_path: Path) -> None:
+    server.inject("put_block", "503", times=3)
+    hook = odps_hook(server, tmp_path, retries=2, size_threshold=10**9)
+    with pytest.raises(HookError, match="retries exhausted"):
+        async with HookBus() as bus:
+            bus.add_hook(hook)
+            await run_steps(bus, range(4))
+    assert hook.writer.stats()["retries"] == 2 and odps_ids(server) == []
+    (path,) = (tmp_path / "spill").glob("*.arrows")
+    replay_spill(path, OdpsSink(sink_config(server, "t", "dt=20261122")))
+    assert odps_ids(server) == list(range(4 * ROWS))
+
+
+@pytest.mark.anyio
+async def test_the_close_deadline_abandons_slow_uploads_and_spills_them(
+    server: OdpsServer, tmp_path: Path
+) -> None:
+    server.inject("put_block", "slow:1.5", times=10)
+    hook = odps_hook(server, tmp_path, worker_num=2, size_threshold=10**9)
+    with pytest.raises(HookError, match="were not delivered") as info:
+        async with HookBus(flush_timeout=0.3) as bus:
+            bus.add_hook(hook)
+            await run_steps(bus, range(5))
+    assert "close deadline" in str(info.value.__cause__)
+    (path,) = (tmp_path / "spill").glob("*.arrows")
+    await anyio.sleep(1.6)  # the abandoned upload finishes; it must not commit
+    assert server.counts("commit") == 0
+    server.clear_faults()
+    replay_spill(path, OdpsSink(sink_config(server, "t", "dt=20261122")))
+    assert odps_ids(server) == list(range(5 * ROWS))
+
+
+@pytest.mark.anyio
+async def test_backpressure_bounds_pending_batches_and_shows_in_stats(
+    server: OdpsServer, tmp_path: Path
+) -> None:
+    server.inject("put_block", "slow:0.05", times=100)
+    hook = odps_hook(server, tmp_path, worker_num=2, size_threshold=1000)  # a batch per step
+    peak = 0
+    async with HookBus() as bus:
+        bus.add_hook(hook)
+        for step in range(12):
+            await run_steps(bus, range(step, step + 1))
+            peak = max(peak, hook.writer.stats()["queued_batches"])
+        stats = bus.stats()["services"][hook.writer.name]
+        assert stats["backpressure_waits"] > 0 and stats["backpressure_wait_s"] > 0
+    assert peak == 3  # worker_num + 1
+    assert odps_ids(server) == list(range(12 * ROWS))
+
+
+# ----------------------------------------------------------------------------- credentials
+
+
+@pytest.mark.anyio
+async def test_the_secret_appears_in_no_output(
+    server: OdpsServer,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    server.inject("put_block", "503")
+    server.inject("commit", "lost", after=1)
+    server.inject("put_block", "4xx", after=3)
+    hook = odps_hook(server, tmp_path)
+    texts = [repr(hook), repr(hook.sink), hook.state_key]
+    with pytest.raises(HookError) as info:
+        async with HookBus() as bus:
+            bus.add_hook(hook)
+            await run_steps(bus, range(12))
+            texts.append(repr(bus.stats()))
+    texts += ["".join(traceback.format_exception(info.value)), repr(info.value)]
+    spills = list((tmp_path / "spill").glob("*"))
+    assert spills
+    out, err = capsys.readouterr()
+    texts += [caplog.text, out, err, *server.log_lines]
+    blobs = [p.read_bytes() for p in spills]
+    assert "Authorization" in caplog.text  # pyodps's DEBUG request logs were captured
+    for text in texts:
+        assert TEST_SECRET not in text
+    for blob in blobs:
+        assert TEST_SECRET.encode() not in blob
+
+
+# ----------------------------------------------------------------------------- SIGTERM
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_sigterm_stops_at_a_step_boundary_and_keeps_every_row(tmp_path: Path, backend: str) -> None:
+    script = Path(__file__).parent / "scripts" / "trace_loop.py"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path), backend],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    steps = int((tmp_path / "steps.txt").read_text())
+    assert steps > 20
+    assert parquet_ids(tmp_path) == list(range(steps * 64))
