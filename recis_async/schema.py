@@ -74,6 +74,7 @@ _NUMPY_DTYPES: Final[dict[str, np.dtype[Any]]] = {
     "boolean": np.dtype(np.bool_),
     "datetime": np.dtype("datetime64[ms]"),
 }
+_FAST_DTYPES: Final = {k: v for k, v in _NUMPY_DTYPES.items() if k != "datetime"}
 _ARROW_SCALARS: Final = {
     "bigint": pa.int64(),
     "int": pa.int32(),
@@ -426,11 +427,30 @@ def _array(value: Any, type_: OdpsType) -> Column:
     )
 
 
+def _fast(type_: OdpsType, value: np.ndarray) -> Column | None:
+    """The common case without checks: a numeric array already of the stored dtype."""
+    element = type_.element
+    if element is None:
+        if value.ndim == 1 and value.dtype == _FAST_DTYPES.get(type_.name):
+            return Column(_readonly(value.copy()))
+    elif (
+        value.ndim == 2
+        and value.dtype == _FAST_DTYPES.get(element.name)
+        and value.size <= _OFFSET_MAX
+    ):
+        rows, width = value.shape
+        flat = _readonly(value.reshape(-1).copy())
+        return Column(flat, (_readonly(_regular_offsets(rows, width)),))
+    return None
+
+
 def convert(field: str, type_: OdpsType, value: object) -> Column:
     """Convert one step's value for ``field`` into an owned, read-only :class:`Column`.
 
     Raises ``ValueError`` naming the field, the declared type and what arrived.
     """
+    if type(value) is np.ndarray and (column := _fast(type_, value)) is not None:
+        return column
     value = _as_array(value)
     if value is None or isinstance(value, (str, bytes, int, float, bool)):
         raise ValueError(

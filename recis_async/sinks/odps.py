@@ -23,9 +23,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
+
+import pyarrow as pa
 
 from ..buffer import Batch
 from ..schema import OdpsType
@@ -223,6 +226,9 @@ class OdpsSink:
                 return
             attempt.resolve()
         table = batch.to_arrow()
+        # pyodps's arrow schema has nullable fields; matching it keeps its writer on the
+        # fast path (no per-batch casting)
+        table = table.cast(pa.schema([f.with_nullable(True) for f in table.schema]))
         try:
             session = tunnel.create_upload_session(
                 self._table,
@@ -231,7 +237,11 @@ class OdpsSink:
             )
             writer = session.open_arrow_writer(_BLOCK_ID)
             try:
-                writer.write(table)
+                for record_batch in table.to_batches():
+                    writer.write(record_batch)
+                    # pyodps checksums each chunk holding the GIL; hand it back between
+                    # record batches so the training thread is not stalled behind a block
+                    time.sleep(0)
             finally:
                 writer.close()  # ends the streamed PUT even when write() raised
         except Exception as exc:

@@ -42,8 +42,9 @@ class ParquetSink:
 
     ``partition``: ``"dt=20261122"``, ``"dt=20261122,hour=10"`` or a mapping.
     ``rank``: the number in file names; by default :func:`recis_async.dist.get_rank` when
-    the sink opens.  ``compression``/``use_dictionary`` are passed to
-    :func:`pyarrow.parquet.write_table` (the defaults favour throughput).  ``fsync``: flush
+    the sink opens.  ``compression``, ``use_dictionary`` and ``row_group_size`` (rows) are
+    passed to :func:`pyarrow.parquet.write_table`; the defaults favour throughput and keep
+    the writer's encoding buffers small.  ``fsync``: flush
     each file and its folder to disk before counting it as delivered.
     """
 
@@ -56,6 +57,7 @@ class ParquetSink:
         rank: int | None = None,
         compression: str = "snappy",
         use_dictionary: bool = False,
+        row_group_size: int | None = None,
         fsync: bool = True,
     ) -> None:
         if not isinstance(table, str) or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", table):
@@ -71,6 +73,7 @@ class ParquetSink:
         self._write_options: dict[str, Any] = {
             "compression": compression,
             "use_dictionary": use_dictionary,
+            "row_group_size": row_group_size,
         }
         self._fsync = fsync
         self._lock = threading.Lock()

@@ -1,0 +1,517 @@
+"""Cost of tracing a real training loop, and raw trace throughput into Parquet.
+
+A CTR-style torch model (two embedding tables of 32 -> 64 features -> MLP 256-256-1, batch 512,
+``torch.set_num_threads(1)``) traces 4 columns per step: ``user_id bigint``, ``item_id
+bigint``, ``score double`` and ``emb array<float>`` (the 64 input features).  Each
+configuration runs in its own process, alternating rounds without tracing and with it, so the
+ratio compares steps/s measured in the same process:
+
+* ``parquet``           TraceHook(ParquetSink)
+* ``odps``              TraceToOdpsHook against the loopback ODPS service (tests/odps_server.py,
+                        run as a separate process, as a real service would be)
+* ``baseline-parquet``  RecIS's design: one ``multiprocessing.Queue(maxsize=worker_num)`` fed
+                        at every step with the step's arrays and read by ``worker_num`` writer
+                        processes that buffer to ``size_threshold`` and write the same sink
+* ``baseline-odps``     the same, writing to the loopback ODPS service
+* ``throughput``        no model: trace steps as fast as possible into Parquet (rows/s,
+                        counting the close that drains everything)
+
+For each: steps/s without and with tracing and their ratio, traced rows/s, seconds spent in
+close (draining), and peak RSS growth of the process (plus its writer processes) against the
+bound ``(worker_num + 2) * size_threshold + 64 MiB``.  Targets (issue 3): ratio >= 0.98,
+throughput >= 1,000,000 rows/s, RSS growth within the bound.
+
+    python benchmarks/bench_trace.py                       # about 1.5 minutes
+    python benchmarks/bench_trace.py --steps 3000 --rounds 3 --only parquet,odps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+BATCH = 512
+EMB = 64
+FIELDS = ["user_id", "item_id", "score", "emb"]
+TYPES = ["bigint", "bigint", "double", "array<float>"]
+CONFIGS = ("parquet", "odps", "baseline-parquet", "baseline-odps", "throughput")
+PROJECT = "bench"
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+class RssSampler:
+    """Peak resident memory of this process (and, with ``children``, its child processes
+    but ``exclude``), sampled every 20 ms in a thread for the whole run, in rounds with and
+    without tracing alike.  ``mark()`` starts a new peak from the current value."""
+
+    def __init__(self, *, children: bool = False, exclude: tuple[int, ...] = ()) -> None:
+        import psutil
+
+        self._proc = psutil.Process()
+        self._children = children
+        self._exclude = exclude
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def current(self) -> int:
+        total = self._proc.memory_info().rss
+        if self._children:
+            for child in self._proc.children(recursive=True):
+                if child.pid in self._exclude:
+                    continue
+                try:
+                    total += child.memory_info().rss
+                except Exception:  # exited meanwhile
+                    pass
+        return int(total)
+
+    def mark(self) -> int:
+        self.peak = base = self.current()
+        return base
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.current())
+            self._stop.wait(0.02)
+
+    def __enter__(self) -> RssSampler:
+        self.mark()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def start_odps_server() -> tuple[subprocess.Popen[str], int]:
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "odps_server.py"), PROJECT],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    return proc, int(proc.stdout.readline())
+
+
+def odps_config(port: int, table: str) -> dict[str, Any]:
+    return {
+        "access_id": "bench-id",
+        "access_key": "bench-secret",
+        "project": PROJECT,
+        "end_point": f"http://127.0.0.1:{port}/api",
+        "tunnel_endpoint": f"http://127.0.0.1:{port}",
+        "table_name": table,
+        "partition": "dt=20261122",
+    }
+
+
+def warm_up_libraries(out: Path) -> None:
+    """Import and initialise pyarrow's Parquet writer and pyodps once, so RSS growth counts
+    buffered data and not one-time library setup."""
+    import odps.tunnel  # noqa: F401
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"a": [1]}), out / "warm-up.parquet")
+    (out / "warm-up.parquet").unlink()
+
+
+def make_sink(kind: str, out: Path, port: int | None, table: str) -> Any:
+    from recis_async.sinks import OdpsSink, ParquetSink
+
+    if kind == "parquet":
+        return ParquetSink(out, table, "dt=20261122", rank=0)
+    assert port is not None
+    return OdpsSink(odps_config(port, table))
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+class Model:
+    def __init__(self, seed: int = 0) -> None:
+        import torch
+        from torch import nn
+
+        torch.manual_seed(seed)
+        torch.set_num_threads(1)
+        self.torch = torch
+        self.user = nn.Embedding(20_000, 32, sparse=True)
+        self.item = nn.Embedding(20_000, 32, sparse=True)
+        self.mlp = nn.Sequential(
+            nn.Linear(EMB, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1)
+        )
+        params = [*self.user.parameters(), *self.item.parameters(), *self.mlp.parameters()]
+        self.opt = torch.optim.SGD(params, lr=0.05)
+        self.loss = nn.BCEWithLogitsLoss()
+        gen = torch.Generator().manual_seed(seed)
+        self.data = [
+            (
+                torch.randint(0, 20_000, (BATCH,), generator=gen),
+                torch.randint(0, 20_000, (BATCH,), generator=gen),
+                torch.randint(0, 2, (BATCH,), generator=gen).float(),
+            )
+            for _ in range(16)
+        ]
+
+    def step(self, i: int) -> tuple[Any, Any, Any, Any]:
+        users, items, labels = self.data[i % len(self.data)]
+        x = self.torch.cat([self.user(users), self.item(items)], dim=1)
+        logit = self.mlp(x).squeeze(1)
+        loss = self.loss(logit, labels)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        return users, items, self.torch.sigmoid(logit.detach()), x.detach()
+
+
+# ----------------------------------------------------------------------------- RecIS design
+
+
+def baseline_writer(
+    queue: Any, ready: Any, kind: str, out: str, port: int | None, table: str, threshold: int
+) -> None:
+    """A RecIS-style writer process: buffer rows from the queue, write at the threshold."""
+    from recis_async.buffer import ColumnBuffer
+    from recis_async.sinks import Attempt
+
+    buffer = ColumnBuffer(FIELDS, TYPES)
+    sink = make_sink(kind, Path(out), port, table)
+    sink.open(buffer.fields, buffer.types)
+    ready.set()
+    while True:
+        item = queue.get()
+        if item is None:
+            break
+        buffer.append(item)
+        if buffer.nbytes >= threshold:
+            batch = buffer.seal()
+            assert batch is not None
+            sink.write(batch, Attempt())
+    batch = buffer.seal()
+    if batch is not None:
+        sink.write(batch, Attempt())
+    sink.close()
+
+
+# ----------------------------------------------------------------------------- one config
+
+
+async def run_config(args: argparse.Namespace) -> dict[str, Any]:
+    from recis_async import HookBus, add_to_trace
+    from recis_async.events import AfterStep, BeforeStep
+    from recis_async.hooks import TraceHook
+
+    config = args.child
+    out = Path(tempfile.mkdtemp(prefix="bench-trace-"))
+    server = None
+    port = None
+    if "odps" in config:
+        server, port = start_odps_server()
+    sink_kind = "odps" if "odps" in config else "parquet"
+    model = Model()
+    for i in range(30):  # warm up torch
+        model.step(i)
+    warm_up_libraries(out)
+
+    trace_s = [0.0]  # time the training thread spends handing trace data over
+
+    async def loop(bus: Any, steps: int, trace: str | None, queue: Any = None) -> float:
+        start = time.perf_counter()
+        for i in range(steps):
+            await bus.publish(BeforeStep(global_step=i))
+            users, items, scores, emb = model.step(i)
+            t = time.perf_counter()
+            if trace == "hook":
+                add_to_trace("user_id", users)
+                add_to_trace("item_id", items)
+                add_to_trace("score", scores)
+                add_to_trace("emb", emb)
+            elif trace == "queue":  # RecIS: the step's arrays go through a multiprocessing queue
+                queue.put(
+                    {
+                        "user_id": users.numpy().copy(),
+                        "item_id": items.numpy().copy(),
+                        "score": scores.numpy().copy(),
+                        "emb": emb.numpy().copy(),
+                    }
+                )
+            trace_s[0] += time.perf_counter() - t
+            await bus.publish(AfterStep(global_step=i, samples=BATCH))
+        return time.perf_counter() - start
+
+    none_rates, traced_rates, closes, totals = [], [], [], []
+    peak_growth = 0
+    sampler = RssSampler(
+        children=config.startswith("baseline"), exclude=(server.pid,) if server is not None else ()
+    )
+    with sampler:
+        for r in range(args.rounds):
+            async with HookBus(handle_signals=False) as bus:
+                elapsed = await loop(bus, args.steps, None)
+            none_rates.append(args.steps / elapsed)
+            table = f"t_{config.replace('-', '_')}_{r}"
+            if config.startswith("baseline"):
+                # RecIS ran its writer processes from the training process (fork on Linux)
+                ctx = mp.get_context("fork")
+                queue = ctx.Queue(maxsize=args.worker_num)
+                ready = [ctx.Event() for _ in range(args.worker_num)]
+                procs = [
+                    ctx.Process(
+                        target=baseline_writer,
+                        args=(queue, ev, sink_kind, str(out), port, table, args.size_threshold),
+                    )
+                    for ev in ready
+                ]
+                for p in procs:
+                    p.start()
+                for ev in ready:
+                    ev.wait(60)
+                base = sampler.mark()
+                async with HookBus(handle_signals=False) as bus:
+                    elapsed = await loop(bus, args.steps, "queue", queue)
+                t_end = time.perf_counter()
+                for _ in procs:
+                    queue.put(None)
+                for p in procs:
+                    p.join()
+                close = time.perf_counter() - t_end
+            else:
+                hook = TraceHook(
+                    make_sink(sink_kind, out, port, table),
+                    FIELDS,
+                    TYPES,
+                    worker_num=args.worker_num,
+                    size_threshold=args.size_threshold,
+                    spill_dir=out / "spill",
+                )
+                base = sampler.mark()
+                async with HookBus(handle_signals=False) as bus:
+                    bus.add_hook(hook)
+                    elapsed = await loop(bus, args.steps, "hook")
+                    t_end = time.perf_counter()
+                    handler = bus.stats()["subscribers"]["TraceHook.after_step"]["total_s"]
+                    # in-band cost: validation and buffering, not the backpressure waits
+                    trace_s[0] += handler - hook.writer.stats()["backpressure_wait_s"]
+                close = time.perf_counter() - t_end
+            traced_rates.append(args.steps / elapsed)
+            closes.append(close)
+            totals.append(args.steps * BATCH / (elapsed + close))
+            peak_growth = max(peak_growth, sampler.peak - base)
+    rows = count_rows(sink_kind, out, port, args.rounds, config)
+    if server is not None:
+        server.kill()
+    shutil.rmtree(out, ignore_errors=True)
+    expected = args.rounds * args.steps * BATCH
+    if rows != expected:
+        raise SystemExit(f"{config}: {rows} rows written, expected {expected}")
+    none = statistics.median(none_rates)
+    traced = statistics.median(traced_rates)
+    return {
+        "config": config,
+        "none_steps_s": none,
+        "traced_steps_s": traced,
+        "ratio": traced / none,
+        "rows_s": statistics.median(totals),
+        "close_s": statistics.median(closes),
+        "rss_growth_mib": peak_growth / 2**20,
+        "rows_checked": rows,
+        "trace_us_per_step": trace_s[0] / (args.rounds * args.steps) * 1e6,
+        "none_rounds": none_rates,
+        "traced_rounds": traced_rates,
+    }
+
+
+def count_rows(kind: str, out: Path, port: int | None, rounds: int, config: str) -> int:
+    if kind == "parquet":
+        import pyarrow.dataset as pads
+
+        return sum(
+            pads.dataset(out / f"t_{config.replace('-', '_')}_{r}").count_rows()
+            for r in range(rounds)
+        )
+    from odps import ODPS
+
+    assert port is not None
+    cfg = odps_config(port, "x")
+    odps = ODPS(
+        cfg["access_id"],
+        cfg["access_key"],
+        PROJECT,
+        cfg["end_point"],
+        tunnel_endpoint=cfg["tunnel_endpoint"],
+        overwrite_global=False,
+    )
+    total = 0
+    for r in range(rounds):
+        table = odps.get_table(f"t_{config.replace('-', '_')}_{r}")
+        with table.open_reader(partition="dt=20261122") as reader:
+            total += reader.count
+    return total
+
+
+async def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+
+    from recis_async import HookBus, add_to_trace
+    from recis_async.events import AfterStep, BeforeStep
+    from recis_async.hooks import TraceHook
+    from recis_async.sinks import ParquetSink
+
+    rows = args.throughput_rows
+    rng = np.random.default_rng(0)
+    payloads = [
+        {
+            "user_id": rng.integers(0, 1 << 40, rows),
+            "item_id": rng.integers(0, 1 << 30, rows),
+            "score": rng.random(rows),
+            "emb": rng.random((rows, EMB), dtype=np.float32),
+        }
+        for _ in range(8)
+    ]
+    out = Path(tempfile.mkdtemp(prefix="bench-trace-tp-"))
+    warm_up_libraries(out)
+    steps = args.throughput_steps
+    sampler = RssSampler()
+    baseline_rss = sampler.current()
+    with sampler:
+        hook = TraceHook(
+            ParquetSink(out, "tp", rank=0),
+            FIELDS,
+            TYPES,
+            worker_num=args.worker_num,
+            size_threshold=args.size_threshold,
+            spill_dir=out / "spill",
+        )
+        start = time.perf_counter()
+        async with HookBus(handle_signals=False) as bus:
+            bus.add_hook(hook)
+            for i in range(steps):
+                await bus.publish(BeforeStep(global_step=i))
+                for name, value in payloads[i % len(payloads)].items():
+                    add_to_trace(name, value)
+                await bus.publish(AfterStep(global_step=i, samples=rows))
+            t_end = time.perf_counter()
+        total = time.perf_counter() - start
+        close = time.perf_counter() - t_end
+    import pyarrow.dataset as pads
+
+    written = pads.dataset(out / "tp").count_rows()
+    shutil.rmtree(out, ignore_errors=True)
+    if written != steps * rows:
+        raise SystemExit(f"throughput: {written} rows written, expected {steps * rows}")
+    return {
+        "config": "throughput",
+        "rows_s": written / total,
+        "loop_rows_s": written / (total - close),
+        "close_s": close,
+        "rss_growth_mib": (sampler.peak - baseline_rss) / 2**20,
+        "rows_checked": written,
+        "backpressure_wait_s": hook.writer.stats()["backpressure_wait_s"],
+    }
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=400, help="training steps per round")
+    parser.add_argument("--rounds", type=int, default=4, help="alternating untraced/traced rounds")
+    parser.add_argument("--worker-num", type=int, default=1)
+    parser.add_argument("--size-threshold", type=int, default=50 * 1024 * 1024)
+    parser.add_argument("--throughput-steps", type=int, default=600)
+    parser.add_argument("--throughput-rows", type=int, default=4096, help="rows per step")
+    parser.add_argument("--only", default=",".join(CONFIGS), help="comma-separated configs")
+    parser.add_argument("--backend", default="asyncio", choices=("asyncio", "trio"))
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    import anyio
+
+    if args.child:
+        runner = run_throughput if args.child == "throughput" else run_config
+        result = anyio.run(runner, args, backend=args.backend)
+        print(json.dumps(result))
+        return
+
+    results = []
+    for config in args.only.split(","):
+        if config not in CONFIGS:
+            raise SystemExit(f"--only: unknown config {config!r}; choose from {', '.join(CONFIGS)}")
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            config,
+            "--steps",
+            str(args.steps),
+            "--rounds",
+            str(args.rounds),
+            "--worker-num",
+            str(args.worker_num),
+            "--size-threshold",
+            str(args.size_threshold),
+            "--throughput-steps",
+            str(args.throughput_steps),
+            "--throughput-rows",
+            str(args.throughput_rows),
+            "--backend",
+            args.backend,
+        ]
+        started = time.perf_counter()
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
+        )
+        if proc.returncode != 0:
+            print(proc.stderr, file=sys.stderr)
+            raise SystemExit(f"{config} failed")
+        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        print(f"# {config}: done in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+
+    bound = (args.worker_num + 2) * args.size_threshold / 2**20 + 64
+    print(
+        f"batch {BATCH}, worker_num {args.worker_num}, size_threshold "
+        f"{args.size_threshold / 2**20:.0f} MiB, {args.steps} steps x {args.rounds} rounds, "
+        f"backend {args.backend}; RSS bound {bound:.0f} MiB"
+    )
+    print(
+        f"{'config':<18}{'no-trace st/s':>14}{'traced st/s':>13}{'ratio':>8}{'rows/s':>12}"
+        f"{'close s':>9}{'RSS +MiB':>10}{'in-band us/step':>17}"
+    )
+    for r in results:
+        if r["config"] == "throughput":
+            print(
+                f"{'throughput':<18}{'-':>14}{'-':>13}{'-':>8}{r['rows_s']:>12,.0f}"
+                f"{r['close_s']:>9.2f}{r['rss_growth_mib']:>10.0f}"
+            )
+        else:
+            print(
+                f"{r['config']:<18}{r['none_steps_s']:>14.1f}{r['traced_steps_s']:>13.1f}"
+                f"{r['ratio']:>8.3f}{r['rows_s']:>12,.0f}{r['close_s']:>9.2f}"
+                f"{r['rss_growth_mib']:>10.0f}{r['trace_us_per_step']:>17.0f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
