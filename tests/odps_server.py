@@ -31,7 +31,6 @@ so the server's log (``server.log_lines``) cannot contain a credential.
 from __future__ import annotations
 
 import io
-import itertools
 import json
 import re
 import socket
@@ -40,7 +39,7 @@ import threading
 import time
 import uuid
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from email.utils import formatdate
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -796,22 +795,6 @@ class OdpsServer:
         self.stop()
 
 
-def serve_forever(project: str = "trace_proj") -> Iterator[OdpsServer]:  # pragma: no cover
-    """Run as a separate process (benchmarks): prints the port, serves until killed."""
-    with OdpsServer(project) as server:
-        print(server.port, flush=True)
-        for _ in itertools.count():
-            time.sleep(3600)
-            yield server
-
-
-if __name__ == "__main__":  # pragma: no cover
-    import sys
-
-    for _ in serve_forever(sys.argv[1] if len(sys.argv) > 1 else "trace_proj"):
-        pass
-
-
 # ------------------------------------------------------------------------------------------
 # test helpers
 
@@ -858,3 +841,12 @@ def read_with_pyodps(
             return list(reader.read_all().to_pylist())
     with t.open_reader(partition=partition) as reader:
         return [{n: record[n] for n in names} for record in reader]
+
+
+if __name__ == "__main__":  # pragma: no cover - used by benchmarks/bench_trace.py
+    import sys
+
+    # a separate process, as a real service would be: print the port, serve until killed
+    with OdpsServer(sys.argv[1] if len(sys.argv) > 1 else "trace_proj") as _server:
+        print(_server.port, flush=True)
+        threading.Event().wait()

@@ -274,3 +274,26 @@ def test_pyodps_is_imported_lazily_and_leaves_no_global_entry(tmp_path: Path) ->
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_the_loopback_service_decodes_record_format_blocks_too(server: OdpsServer) -> None:
+    """pyodps's classic protobuf record writer, straight through its tunnel API."""
+    from odps import ODPS
+    from odps.models import TableSchema
+    from odps.tunnel import TableTunnel
+
+    odps = ODPS(
+        TEST_ACCESS_ID,
+        TEST_SECRET,
+        server.project,
+        server.endpoint,
+        tunnel_endpoint=server.tunnel_endpoint,
+        overwrite_global=False,
+    )
+    odps.create_table("rec", TableSchema.from_lists(["id", "tags"], ["bigint", "array<string>"]))
+    session = TableTunnel(odps, endpoint=server.tunnel_endpoint).create_upload_session("rec")
+    with session.open_record_writer(3) as writer:
+        for i in range(4):
+            writer.write(session.new_record([i, [f"t{i}"] * i]))
+    session.commit([3])
+    assert read_with_pyodps(server, "rec") == [{"id": i, "tags": [f"t{i}"] * i} for i in range(4)]
