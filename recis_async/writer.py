@@ -237,6 +237,7 @@ class TraceWriter:
         """Write ``batch`` with retries; spill it if that fails; on the close deadline or a
         cancellation put it aside (with its doubt) for close."""
         attempt = Attempt(in_doubt)
+        submitted = False  # whether ``attempt`` was handed to a worker thread
         failures = 0
         try:
             while True:
@@ -247,6 +248,7 @@ class TraceWriter:
                     self._scopes.add(scope)
                     try:
                         await self._ensure_open(batch)
+                        submitted = True
                         await anyio.to_thread.run_sync(
                             _write, self.sink, batch, attempt, abandon_on_cancel=True
                         )
@@ -261,7 +263,7 @@ class TraceWriter:
                         self._scopes.discard(scope)
                 if scope.cancelled_caught:
                     await self._abandon(
-                        batch, attempt, "the close deadline passed during its upload"
+                        batch, attempt, submitted, "the close deadline passed during its upload"
                     )
                     return
                 if error is None:
@@ -269,6 +271,7 @@ class TraceWriter:
                     return
                 self._last_error = f"{type(error).__name__}: {error}"
                 attempt = Attempt(attempt.token)  # the next try settles what is in doubt first
+                submitted = False
                 if not transient or failures >= self._retries:
                     why = "retries exhausted" if transient else "permanent error"
                     logger.error(
@@ -305,7 +308,7 @@ class TraceWriter:
                         self._scopes.discard(wait)
         except anyio.get_cancelled_exc_class():
             with anyio.CancelScope(shield=True):
-                await self._abandon(batch, attempt, "the writer was cancelled")
+                await self._abandon(batch, attempt, submitted, "the writer was cancelled")
             raise
 
     def _delivered(self, batch: Batch) -> None:
@@ -315,11 +318,11 @@ class TraceWriter:
         self._stats["rows"] += batch.rows
         self._stats["bytes"] += batch.nbytes
 
-    async def _abandon(self, batch: Batch, attempt: Attempt, why: str) -> None:
-        """Stop ``attempt``; if it was committing, wait for that to end; then either count the
-        batch as delivered or put it aside with what is still in doubt."""
+    async def _abandon(self, batch: Batch, attempt: Attempt, submitted: bool, why: str) -> None:
+        """Stop ``attempt``; if its thread may be committing, wait for that to end; then either
+        count the batch as delivered or put it aside with what is still in doubt."""
         token = attempt.abandon()
-        if token is not None and not attempt.done.is_set():
+        if submitted and token is not None and not attempt.done.is_set():
             await anyio.to_thread.run_sync(attempt.done.wait, self._commit_wait)
         if attempt.done.is_set() and attempt.delivered:
             self._delivered(batch)

@@ -319,6 +319,19 @@ async def test_the_close_deadline_abandons_slow_uploads_and_spills_them(
 
 
 @pytest.mark.anyio
+async def test_a_commit_under_way_at_the_deadline_is_waited_for_not_spilled(
+    server: OdpsServer, tmp_path: Path
+) -> None:
+    server.inject("commit", "slow:1.0")
+    hook = odps_hook(server, tmp_path, size_threshold=10**9)
+    async with HookBus(flush_timeout=0.5) as bus:  # the commit ends after the deadline
+        bus.add_hook(hook)
+        await run_steps(bus, range(3))
+    assert odps_ids(server) == list(range(3 * ROWS))
+    assert hook.writer.stats()["spilled"] == 0 and not (tmp_path / "spill").exists()
+
+
+@pytest.mark.anyio
 async def test_backpressure_bounds_pending_batches_and_shows_in_stats(
     server: OdpsServer, tmp_path: Path
 ) -> None:
