@@ -122,6 +122,9 @@ class ParquetSink:
         try:
             try:
                 pq.write_table(batch.to_arrow(), str(tmp), **self._write_options)
+                # Arrow's allocator keeps freed encoding buffers cached (tens of MiB per
+                # concurrent writer); hand them back so RSS tracks the buffered data
+                pa.default_memory_pool().release_unused()
                 if self._fsync:
                     _fsync_path(tmp)
                 final = self._publish(tmp, rank, attempt)
