@@ -27,6 +27,10 @@ array<T>           a 2-D array ``(rows, n)`` (one array of ``n`` elements per ro
 =================  ===================================================================
 
 Missing values (``None``, ``NaT``) are refused: trace rows are complete by construction.
+
+Converted data is copied, so later changes to the caller's arrays do not reach the trace --
+except for contiguous, read-only arrays of exactly the stored dtype that own their memory
+(such as a collector's private copies): those are kept as they are, saving a copy per step.
 """
 
 from __future__ import annotations
@@ -427,19 +431,31 @@ def _array(value: Any, type_: OdpsType) -> Column:
     )
 
 
+def _frozen(value: np.ndarray) -> np.ndarray:
+    """``value`` itself if nothing can change it any more, else a read-only copy.
+
+    A contiguous array that owns its memory and is already read-only is kept as it is (a
+    collector's private copy, say): changing it would take re-enabling writes on purpose.
+    """
+    flags = value.flags
+    if not flags.writeable and flags.owndata and flags.c_contiguous:
+        return value
+    return _readonly(value.copy())
+
+
 def _fast(type_: OdpsType, value: np.ndarray) -> Column | None:
     """The common case without checks: a numeric array already of the stored dtype."""
     element = type_.element
     if element is None:
         if value.ndim == 1 and value.dtype == _FAST_DTYPES.get(type_.name):
-            return Column(_readonly(value.copy()))
+            return Column(_frozen(value))
     elif (
         value.ndim == 2
         and value.dtype == _FAST_DTYPES.get(element.name)
         and value.size <= _OFFSET_MAX
     ):
         rows, width = value.shape
-        flat = _readonly(value.reshape(-1).copy())
+        flat = _frozen(value).reshape(-1)
         return Column(flat, (_readonly(_regular_offsets(rows, width)),))
     return None
 

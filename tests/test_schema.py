@@ -242,3 +242,19 @@ def test_slices_of_arrow_arrays_convert_back() -> None:
     type_ = parse_type("array<string>")
     arr = pa.array([["a"], ["b", "c"], [], ["d"]], type=type_.arrow_type).slice(1, 2)
     assert to_arrow(from_arrow(arr, type_), type_).to_pylist() == [["b", "c"], []]
+
+
+def test_writable_arrays_are_copied_and_frozen_private_ones_are_kept() -> None:
+    type_ = parse_type("array<float>")
+    writable = np.ones((4, 3), np.float32)
+    column = convert("f", type_, writable)
+    assert not np.shares_memory(column.values, writable)
+    writable[:] = 0
+    assert column.values.tolist() == [1.0] * 12
+    frozen = np.ones((4, 3), np.float32)
+    frozen.setflags(write=False)
+    kept = convert("f", type_, frozen)
+    assert np.shares_memory(kept.values, frozen) and not kept.values.flags.writeable
+    view = np.ones((8, 3), np.float32)[::2]  # read-only but not owning its memory: copied
+    view.setflags(write=False)
+    assert not np.shares_memory(convert("f", type_, view).values, view)
