@@ -249,56 +249,77 @@ class HashTable(nn.Module):
         train = self.training
         admit = self._admit_policy(admit_hook) if train else None
         with self._lock:
+            if train and admit is None:  # insert everything unseen, in one probing pass
+                assigned: list[torch.Tensor] = []
+                try:
+                    slots = self._map.find_or_insert(ids, lambda k: self._take(k, assigned))
+                finally:
+                    for new in assigned:
+                        self._fill_new(new)
+                if self._filter is not None:
+                    self._filter.touch(slots)
+                return slots, None
             slots = self._map.find(ids)
             miss = slots < 0
             missing = bool(miss.any())
             if train and missing:
-                slots = self._insert_missing(ids, slots, miss, admit)
+                assert admit is not None
+                slots = self._insert_admitted(ids, slots, miss, admit)
                 miss = slots < 0
                 missing = bool(miss.any())
             if train and self._filter is not None:
                 self._filter.touch(slots[~miss] if missing else slots)
         return slots, (~miss if missing else None)
 
-    def _insert_missing(
-        self,
-        ids: torch.Tensor,
-        slots: torch.Tensor,
-        miss: torch.Tensor,
-        admit: AdmitPolicy | None,
+    def _insert_admitted(
+        self, ids: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor, admit: AdmitPolicy
     ) -> torch.Tensor:
         where = miss.nonzero().squeeze(1)
         new_ids, inverse = torch.unique(ids[where], return_inverse=True)
+        ok = admit.admit(new_ids)
+        if not isinstance(ok, torch.Tensor) or ok.dtype != torch.bool or ok.shape != new_ids.shape:
+            raise ValueError(
+                f"{type(admit).__name__}.admit: expected a bool mask of shape "
+                f"{tuple(new_ids.shape)}, got {ok!r:.80}"
+            )
+        chosen = ok.nonzero().squeeze(1)
+        if chosen.numel() == 0:
+            return slots
         new_slots = torch.full_like(new_ids, -1)
-        if admit is None:
-            chosen = torch.arange(new_ids.numel())
-        else:
-            ok = admit.admit(new_ids)
-            if not isinstance(ok, torch.Tensor) or ok.dtype != torch.bool or ok.shape != new_ids.shape:
-                raise ValueError(
-                    f"{type(admit).__name__}.admit: expected a bool mask of shape "
-                    f"{tuple(new_ids.shape)}, got {ok!r:.80}"
-                )
-            chosen = ok.nonzero().squeeze(1)
-        if chosen.numel():
-            new_slots[chosen] = self._insert(new_ids[chosen])
+        taken = self._take(int(chosen.numel()), [])
+        self._map.insert(new_ids[chosen], taken)
+        self._fill_new(taken)
+        new_slots[chosen] = taken
         slots = slots.clone()
         slots[where] = new_slots[inverse]
         return slots
 
-    def _insert(self, ids: torch.Tensor) -> torch.Tensor:
-        k = int(ids.numel())
+    def _take(self, k: int, assigned: list[torch.Tensor]) -> torch.Tensor:
+        """``k`` slots for new ids (evicted rows first, then fresh ones), also appended to
+        ``assigned``."""
         reused = self._free.pop(k)
         fresh = k - int(reused.numel())
         if self._next + fresh > self.capacity:
             self._grow(self._next + fresh)
-        slots = torch.cat([reused, torch.arange(self._next, self._next + fresh)])
+        start = self._next
         self._next += fresh
-        self._map.insert(ids, slots)
-        self.weight.data[slots] = self._initial_rows(k)
-        if reused.numel():
-            self._reset_aux_rows(reused)
+        slots = torch.cat([reused, torch.arange(start, start + fresh)])
+        assigned.append(slots)
         return slots
+
+    def _fill_new(self, slots: torch.Tensor) -> None:
+        """Initialise the rows at ``slots`` and clear their gradient and optimizer state."""
+        k = int(slots.numel())
+        if k == 0:
+            return
+        self.weight.data[slots] = self._initial_rows(k)
+        grad = self.weight.grad
+        if grad is not None and not grad.is_sparse:
+            grad[slots] = 0
+        for state in self._optimizer_states():
+            for value in state.values():
+                if self._is_row_state(value):
+                    value[slots] = 0
 
     def _initial_rows(self, k: int) -> torch.Tensor:
         rows = torch.zeros((k, *self.embedding_shape), dtype=self.dtype)
@@ -313,21 +334,11 @@ class HashTable(nn.Module):
                 rows = out.to(self.dtype)
         return rows.reshape(k, self._dim)
 
-    def _reset_aux_rows(self, slots: torch.Tensor) -> None:
-        """A reused row starts clean: no stale gradient, no optimizer state of its old id."""
-        grad = self.weight.grad
-        if grad is not None and not grad.is_sparse:
-            grad[slots] = 0
-        for state in self._optimizer_states():
-            for value in state.values():
-                if self._is_row_state(value):
-                    value[slots] = 0
-
     def _grow(self, need: int) -> None:
         old = self.capacity
         new = max(old, _MIN_CAPACITY)
         while new < need:
-            new *= 2
+            new = new * 3 // 2
         self.weight.data = self._padded(self.weight.data, new)
         grad = self.weight.grad
         if grad is not None:

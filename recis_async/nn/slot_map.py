@@ -1,45 +1,68 @@
 """A vectorised map from arbitrary int64 ids to row slots, built from torch ops.
 
-Open addressing with linear probing over two flat tensors (``keys``, ``vals``).  A whole
-batch of ids is probed at once: each round gathers one position per still-unresolved id,
-so a lookup costs a handful of tensor ops per probe round and no Python work per id.
-The load factor stays at or below one half, which keeps the rounds few.
+Open addressing with linear probing.  A whole batch of ids is probed at once: each round
+gathers one position per still-unresolved id, so a lookup costs a handful of tensor ops per
+probe round and no Python work per id.  The load factor stays at or below one half, which
+keeps the rounds few.  Key and value of a position sit side by side (one ``[capacity, 2]``
+tensor) so a probe touches one cache line.
 
-``vals`` holds the slot of a key, or ``EMPTY`` / ``TOMB`` (a removed key: probes pass over
-it, inserts may reuse it).  Every id value is valid, so emptiness lives in ``vals`` and
-never in ``keys``.  The map also records where each slot's key sits, so removing a slot
-touches one position instead of probing.
+A value is a slot (``>= 0``), ``EMPTY`` or ``TOMB`` (a removed key: probes pass over it).
+Every id value is valid, so emptiness lives in the value, never in the key.  Inserting
+claims empty positions and picks one winner per position; equal ids of one batch probe in
+lockstep and meet at the winner's position in the next round, so duplicates resolve to one
+key without sorting the batch.
 
+Per round the work is done full-width with integer arithmetic instead of boolean-mask
+selection (which branches per element and costs several times more on random masks):
+queries that must not write are pointed at a scratch entry past the end, and the
+unresolved queries are compacted once per round.  Random passes over the big table are
+what a round costs most (TLB misses), so claims are arbitrated in a small side array and
+the table is touched twice per round: one gather, one write of the winners' rows.
+
+The map also records where each slot's key sits, so removing a slot touches one position.
 Not thread-safe: the owning table serialises calls with its lock.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-__all__ = ["SlotMap"]
+__all__ = ["SlotMap", "EMPTY", "TOMB"]
 
 EMPTY = -1
 TOMB = -2
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # Fibonacci hashing multiplier as a signed int64
 _MIN_BITS = 4
 _MAX_LOAD = 0.5
+_SCRATCH_BITS = 20  # claim-arbitration cells: at most 8 MiB, small enough to stay TLB-resident
+
+
+def _bits_for(n: int) -> int:
+    return max(_MIN_BITS, (max(n, 1) - 1).bit_length())
 
 
 class SlotMap:
     """Map int64 ids (any value) to int64 slots, in batches."""
 
     def __init__(self, min_capacity: int = 1 << _MIN_BITS) -> None:
-        bits = max(_MIN_BITS, (max(min_capacity, 1) - 1).bit_length())
-        self._alloc(bits)
-        self._slot_pos = torch.empty(0, dtype=torch.int64)  # slot -> position of its key
+        self._alloc(_bits_for(min_capacity))
+        # slot -> position of its key (-1: free); the last element is a scratch entry
+        self._slot_pos = torch.full((1,), -1, dtype=torch.int64)
 
     def _alloc(self, bits: int) -> None:
         self._bits = bits
-        self._keys = torch.zeros(1 << bits, dtype=torch.int64)
-        self._vals = torch.full((1 << bits,), EMPTY, dtype=torch.int64)
+        # one scratch row at index `capacity` absorbs writes of queries that must not write
+        self._kv = torch.zeros((1 << bits) + 1, 2, dtype=torch.int64)
+        self._kv[:, 1] = EMPTY
+        self._flat = self._kv.view(-1)  # key of position p at 2p, value at 2p + 1
         self._live = 0
         self._used = 0  # live keys plus tombstones
+        # Claims are arbitrated in a small array indexed by position modulo its size (the
+        # last cell absorbs non-claims).  Two positions sharing a cell make one claimant
+        # lose spuriously; it simply claims again next round.
+        self._arbiter = torch.zeros((1 << min(bits, _SCRATCH_BITS)) + 1, dtype=torch.int64)
 
     @property
     def capacity(self) -> int:
@@ -50,104 +73,157 @@ class SlotMap:
 
     @property
     def nbytes(self) -> int:
-        return self._keys.nbytes + self._vals.nbytes + self._slot_pos.nbytes
+        return self._kv.nbytes + self._slot_pos.nbytes + self._arbiter.nbytes
 
     def _home(self, ids: torch.Tensor) -> torch.Tensor:
         # top `bits` bits of id * golden ratio: the arithmetic shift sign-extends, the mask
         # keeps exactly those bits.
         return ((ids * _GOLDEN) >> (64 - self._bits)) & ((1 << self._bits) - 1)
 
+    def _probe(
+        self, pos: torch.Tensor, keys: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Look at ``pos`` for each query: its value ``v``, whether it holds the query's key
+        (``hit``) or is empty (``empty``), and where to look next (``pos`` when either).
+        Flags are int64 0/1."""
+        entry = self._kv.index_select(0, pos)
+        v = entry[:, 1]
+        hit = ((entry[:, 0] == keys) & (v >= 0)).long()
+        empty = (v == EMPTY).long()
+        nxt = (pos + (1 - hit - empty)) & ((1 << self._bits) - 1)
+        return v, hit, empty, nxt
+
     def find(self, ids: torch.Tensor) -> torch.Tensor:
         """Slots of ``ids`` (1-D int64, duplicates allowed); ``EMPTY`` where absent."""
         out = torch.full_like(ids, EMPTY)
         if ids.numel() == 0 or self._live == 0:
             return out
-        mask = (1 << self._bits) - 1
         pos = self._home(ids)
         keys = ids
-        idx: torch.Tensor | None = None  # None: all queries still active, in order
+        idx: torch.Tensor | None = None  # None: all queries active, in order
         while True:
-            v = self._vals[pos]
-            hit = (v >= 0) & (self._keys[pos] == keys)
-            more = (v != EMPTY) & ~hit
+            v, hit, empty, nxt = self._probe(pos, keys)
+            res = (v + 1) * hit - 1  # v on a hit, else EMPTY
             if idx is None:
-                out = torch.where(hit, v, out)
+                out = res
             else:
-                out[idx[hit]] = v[hit]
-            nxt = more.nonzero().squeeze(1)
-            if nxt.numel() == 0:
+                out.index_put_((idx,), res)
+            more = (1 - hit - empty).nonzero().squeeze(1)
+            if more.numel() == 0:
                 return out
-            idx = nxt if idx is None else idx[nxt]
-            keys = keys[nxt]
-            pos = (pos[nxt] + 1) & mask
+            idx = more if idx is None else idx.index_select(0, more)
+            keys = keys.index_select(0, more)
+            pos = nxt.index_select(0, more)
+
+    def find_or_insert(
+        self, ids: torch.Tensor, alloc: Callable[[int], torch.Tensor]
+    ) -> torch.Tensor:
+        """Slots of ``ids`` (1-D int64, duplicates allowed), inserting the absent ones.
+
+        ``alloc(k)`` returns ``k`` distinct unused slots (``>= 0``); it is called once per
+        probe round that inserts.  Ids inserted before it raises stay inserted.
+        """
+        return self._probe_insert(ids, alloc, None)
 
     def insert(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         """Add ``ids`` (distinct, none present) mapped to ``slots`` (distinct, >= 0)."""
+        self._probe_insert(ids, None, slots)
+
+    def _probe_insert(
+        self,
+        ids: torch.Tensor,
+        alloc: Callable[[int], torch.Tensor] | None,
+        given: torch.Tensor | None,
+    ) -> torch.Tensor:
         n = ids.numel()
+        out = torch.full_like(ids, EMPTY)
         if n == 0:
-            return
+            return out
         if self._used + n > _MAX_LOAD * self.capacity:
             self._rehash(self._live + n)
-        top = int(slots.max()) + 1
-        if top > self._slot_pos.numel():
-            grown = torch.full((max(top, 2 * self._slot_pos.numel()),), -1, dtype=torch.int64)
-            grown[: self._slot_pos.numel()] = self._slot_pos
-            self._slot_pos = grown
-        self._place(ids, slots)
-
-    def _place(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        mask = (1 << self._bits) - 1
+        if given is not None:
+            self._reserve_slots(int(given.max()) + 1)
+        scratch = 1 << self._bits
+        arbiter = self._arbiter
+        cells = arbiter.numel() - 1
         pos = self._home(ids)
-        while ids.numel():
-            v = self._vals[pos]
-            free = (v < 0).nonzero().squeeze(1)
-            if free.numel():
-                cpos, cslot = pos[free], slots[free]
-                prior = v[free]
-                # Several ids may claim one free position in the same round: every claim
-                # writes, one write survives, and reading back tells the winners.
-                self._vals[cpos] = cslot
-                won = self._vals[cpos] == cslot
-                wpos = cpos[won]
-                self._keys[wpos] = ids[free[won]]
-                self._slot_pos[cslot[won]] = wpos
-                self._used += int((prior[won] == EMPTY).sum())
-                self._live += int(wpos.numel())
-                left = torch.ones(ids.numel(), dtype=torch.bool)
-                left[free[won]] = False
-                rest = left.nonzero().squeeze(1)
-                ids, slots, pos = ids[rest], slots[rest], pos[rest]
-            # the position of every remaining id is taken now: probe the next one
-            pos = (pos + 1) & mask
+        keys = ids
+        idx = torch.arange(n)
+        while idx.numel():
+            m = idx.numel()
+            v, hit, empty, nxt = self._probe(pos, keys)
+            # Every empty position found is claimed; among claimants of one arbiter cell
+            # the surviving write wins.  Losers stay put and look again next round, where
+            # a duplicate of the winner finds its key.
+            cell = cells + ((pos & (cells - 1)) - cells) * empty
+            marker = torch.arange(m)
+            arbiter[cell] = marker
+            won = (arbiter.index_select(0, cell) == marker).long() * empty
+            k = int(won.sum())
+            slot = torch.zeros(m, dtype=torch.int64)
+            if k:
+                if given is not None:
+                    slot = given.index_select(0, idx)
+                else:
+                    assert alloc is not None
+                    fresh = alloc(k)  # nothing of this round is written yet if it raises
+                    self._reserve_slots(int(fresh.max()) + 1)
+                    slot = fresh.index_select(0, ((torch.cumsum(won, 0) - 1) * won))
+                self._kv[scratch + (pos - scratch) * won] = torch.stack((keys, slot), 1)
+                dump = self._slot_pos.numel() - 1
+                self._slot_pos[dump + (slot - dump) * won] = pos
+                self._slot_pos[dump] = -1
+                self._used += k
+                self._live += k
+            res = (v + 1) * hit + (slot + 1) * won - 1  # found or inserted, else EMPTY
+            if m == n:
+                out = res
+            else:
+                out.index_put_((idx,), res)
+            rest = (1 - hit - won).nonzero().squeeze(1)
+            pos = nxt.index_select(0, rest)
+            idx = idx.index_select(0, rest)
+            keys = keys.index_select(0, rest)
+        return out
+
+    def _reserve_slots(self, top: int) -> None:
+        """Make ``_slot_pos`` hold slots below ``top`` plus the scratch entry."""
+        have = self._slot_pos.numel() - 1
+        if top <= have:
+            return
+        grown = torch.full((max(top, 2 * have) + 1,), -1, dtype=torch.int64)
+        grown[:have] = self._slot_pos[:have]
+        self._slot_pos = grown
 
     def remove(self, slots: torch.Tensor) -> torch.Tensor:
         """Remove the keys held by ``slots`` (distinct, each present); returns those ids."""
         if slots.numel() == 0:
             return torch.empty(0, dtype=torch.int64)
         pos = self._slot_pos[slots]
-        removed = self._keys[pos]
-        self._vals[pos] = TOMB
+        removed = self._flat[2 * pos]
+        self._flat[2 * pos + 1] = TOMB
         self._slot_pos[slots] = -1
         self._live -= int(slots.numel())
         return removed
 
     def ids_of(self, slots: torch.Tensor) -> torch.Tensor:
         """Ids held by ``slots`` (each present)."""
-        return self._keys[self._slot_pos[slots]]
+        return self._flat[2 * self._slot_pos[slots]]
 
     def items(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All ``(ids, slots)`` pairs, ordered by slot."""
-        slots = (self._slot_pos >= 0).nonzero().squeeze(1)
-        return self._keys[self._slot_pos[slots]], slots
+        slots = (self._slot_pos[:-1] >= 0).nonzero().squeeze(1)
+        return self.ids_of(slots), slots
 
     def clear(self, min_capacity: int = 1 << _MIN_BITS) -> None:
         """Forget every key."""
-        self._alloc(max(_MIN_BITS, (max(min_capacity, 1) - 1).bit_length()))
-        self._slot_pos = torch.empty(0, dtype=torch.int64)
+        self._alloc(_bits_for(min_capacity))
+        self._slot_pos = torch.full((1,), -1, dtype=torch.int64)
 
     def _rehash(self, live_after: int) -> None:
         """Rebuild without tombstones, sized so ``live_after`` keys fill at most a quarter."""
         ids, slots = self.items()
-        bits = max(self._bits, (4 * live_after - 1).bit_length())
-        self._alloc(bits)
-        self._place(ids, slots)
+        self._alloc(max(self._bits, _bits_for(4 * live_after)))
+        self._slot_pos.fill_(-1)
+        if ids.numel():
+            self.insert(ids, slots)
