@@ -383,7 +383,9 @@ class HashTable(nn.Module):
         with self._lock:
             w = self.weight
             if self.sparse:
-                g = torch.sparse_coo_tensor(slots.unsqueeze(0), rows, w.shape)
+                g = torch.sparse_coo_tensor(
+                    slots.unsqueeze(0), rows, w.shape, check_invariants=False
+                )
                 w.grad = g if w.grad is None else w.grad + g
                 return
             if w.grad is None:

@@ -51,6 +51,9 @@ class _PolicyHook:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._name!r}, {dict(self._params)!r})"
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self._name, dict(self._params)))
+
     def __eq__(self, other: object) -> bool:
         if type(other) is not type(self):
             return NotImplemented

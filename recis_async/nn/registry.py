@@ -119,6 +119,9 @@ class PolicyRegistry:
             raise ValueError(f"filter_hook: expected a FilterHook, got {type(hook).__name__}")
         return _build(self._filter, hook, "filter")
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (PolicyRegistry, (dict(self._admit), dict(self._filter)))
+
     def __repr__(self) -> str:
         return f"PolicyRegistry(admit={list(self.admit_names)}, filter={list(self.filter_names)})"
 
