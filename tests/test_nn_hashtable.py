@@ -97,7 +97,9 @@ def test_eval_lookups_do_not_insert() -> None:
 
 
 def test_table_grows_keeping_rows() -> None:
-    table = HashTable(2, capacity=4, initializer=lambda t: t.copy_(torch.arange(t.numel()).view_as(t)))
+    table = HashTable(
+        2, capacity=4, initializer=lambda t: t.copy_(torch.arange(t.numel()).view_as(t))
+    )
     first = table(ids(10, 11)).detach().clone()
     table(torch.arange(100, 1100))
     assert table.capacity >= 1002
@@ -209,7 +211,9 @@ def test_read_only_admission_returns_zeros_and_inserts_nothing() -> None:
 def test_unknown_policy_names_list_the_registered_ones() -> None:
     with pytest.raises(ValueError, match=r"unknown admit policy 'Nope'; registered: ReadOnly"):
         HashTable(4, admit_hook=AdmitHook("Nope"))
-    with pytest.raises(ValueError, match=r"unknown filter policy 'Nope'; registered: GlobalStepFilter"):
+    with pytest.raises(
+        ValueError, match=r"unknown filter policy 'Nope'; registered: GlobalStepFilter"
+    ):
         HashTable(4, filter_hook=FilterHook("Nope"))
     with pytest.raises(ValueError, match="filter_step"):
         HashTable(4, filter_hook=FilterHook("GlobalStepFilter"))
@@ -350,7 +354,9 @@ def test_eviction_in_a_thread_never_races_lookups() -> None:
 # ---------------------------------------------------------------- state
 def test_state_dict_round_trips_into_a_fresh_table() -> None:
     torch.manual_seed(0)
-    table = HashTable([2, 2], initializer=lambda t: torch.nn.init.normal_(t), filter_hook=step_filter(4))
+    table = HashTable(
+        [2, 2], initializer=lambda t: torch.nn.init.normal_(t), filter_hook=step_filter(4)
+    )
     table.advance(1)
     table(torch.arange(50))
     table.advance(7)
@@ -383,8 +389,13 @@ def test_state_dict_inside_a_model_and_key_checks() -> None:
     a.user(ids(5, 6))
     sd = a.state_dict()
     assert set(sd) == {
-        "user.weight", "user.ids", "user.slots", "user.filter_last_seen", "user.filter_clock",
-        "dense.weight", "dense.bias",
+        "user.weight",
+        "user.ids",
+        "user.slots",
+        "user.filter_last_seen",
+        "user.filter_clock",
+        "dense.weight",
+        "dense.bias",
     }
     b.load_state_dict(sd)
     assert b.user.ids().tolist() == [5, 6]
@@ -397,7 +408,9 @@ def test_state_dict_inside_a_model_and_key_checks() -> None:
     with pytest.raises(RuntimeError, match="ids: expected distinct values"):
         Model().load_state_dict(bad)
     bad = dict(sd, **{"user.weight": torch.zeros(4, 7)})
-    with pytest.raises(RuntimeError, match=r"weight: expected a floating tensor of shape \[capacity, 3\]"):
+    with pytest.raises(
+        RuntimeError, match=r"weight: expected a floating tensor of shape \[capacity, 3\]"
+    ):
         Model().load_state_dict(bad)
 
 

@@ -31,7 +31,7 @@ class Model:
 
     def find_or_insert(self, ids: list[int]) -> None:
         out = self.map.find_or_insert(torch.tensor(ids, dtype=torch.int64), self.alloc).tolist()
-        for i, s in zip(ids, out):
+        for i, s in zip(ids, out, strict=True):
             assert s >= 0
             assert self.ref.setdefault(i, s) == s, f"id {i} moved from {self.ref[i]} to {s}"
         assert len(set(self.ref.values())) == len(self.ref), "two ids share a slot"
@@ -51,7 +51,7 @@ class Model:
     def check(self) -> None:
         assert len(self.map) == len(self.ref)
         ids, slots = self.map.items()
-        assert dict(zip(ids.tolist(), slots.tolist())) == self.ref
+        assert dict(zip(ids.tolist(), slots.tolist(), strict=True)) == self.ref
         assert slots.tolist() == sorted(slots.tolist())
 
 
@@ -101,7 +101,7 @@ def test_large_batch_grows_and_rehashes_consistently() -> None:
     for _ in range(6):
         ids = torch.randint(-(2**62), 2**62, (20_000,), generator=g) // 1000  # some repeats
         out = m.find_or_insert(ids, alloc)
-        for i, s in zip(ids.tolist(), out.tolist()):
+        for i, s in zip(ids.tolist(), out.tolist(), strict=True):
             assert ref.setdefault(i, s) == s
     assert len(m) == len(ref) == nxt[0]
     assert m.capacity >= 2 * len(m)  # load factor at most one half

@@ -35,8 +35,10 @@ log = logging.getLogger(__name__)
 
 
 def _check_interval(value: object, field: str) -> int | None:
-    if value is None or (type(value) is int and value >= 1):
-        return value  # type: ignore[return-value]
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
     raise ValueError(f"{field}: expected an int >= 1 or None (never filter), got {value!r}")
 
 
@@ -155,7 +157,9 @@ class _EvictionService:
             total += evicted
             self._by_table[self._label(table)] += evicted
             self._counts["scan_s_max"] = max(self._counts["scan_s_max"], plan.scan_s)
-            self._counts["hold_s_max"] = max(self._counts["hold_s_max"], last.get("hold_max_s", 0.0))
+            self._counts["hold_s_max"] = max(
+                self._counts["hold_s_max"], last.get("hold_max_s", 0.0)
+            )
             log.info(
                 "%s: step %d evicted %d of %d candidate ids from %r (%d ids left)",
                 self.name,
@@ -169,7 +173,9 @@ class _EvictionService:
         self._counts["evicted"] += total
         self._counts["last_step"] = step
         self._counts["last_evicted"] = total
-        log.debug("%s: eviction at step %d took %.3fs", self.name, step, time.perf_counter() - started)
+        log.debug(
+            "%s: eviction at step %d took %.3fs", self.name, step, time.perf_counter() - started
+        )
 
     async def aclose(self, deadline: float) -> None:
         # Stop intake; a queued request is dropped (eviction only saves memory, and the
@@ -214,17 +220,24 @@ class HashTableFilterHook(Hook):
         model: nn.Module | None = None,
         name: str = "HashTableFilterHook",
     ) -> None:
-        self.filter_interval = _check_interval(filter_interval, "HashTableFilterHook.filter_interval")
+        self.filter_interval = _check_interval(
+            filter_interval, "HashTableFilterHook.filter_interval"
+        )
         if not isinstance(name, str) or not name:
             raise ValueError(f"HashTableFilterHook.name: expected a non-empty str, got {name!r}")
         self._tables = _filtered_tables(tables, model)
+        if not self._tables:
+            raise ValueError(
+                "HashTableFilterHook: expected tables=[...] or model=... naming the hash tables "
+                "to filter, got neither (there is no global table registry)"
+            )
         self._name = name
         self._service: _EvictionService | None = None
         self.last_filter_step: int | None = None
         log.info(
             "%s: filtering %s every %s steps",
             name,
-            [t.name for t in self._tables] or "no tables yet",
+            [t.name for t in self._tables],
             filter_interval,
         )
 
@@ -232,25 +245,11 @@ class HashTableFilterHook(Hook):
     def tables(self) -> tuple[HashTable, ...]:
         return tuple(self._tables)
 
-    def watch(
-        self, *, tables: Iterable[HashTable] | None = None, model: nn.Module | None = None
-    ) -> None:
-        """Add tables to filter (before the hook is added to a bus)."""
-        if self._service is not None:
-            raise RuntimeError("HashTableFilterHook.watch(): the hook is already attached to a bus")
-        known = {id(t) for t in self._tables}
-        self._tables += [t for t in _filtered_tables(tables, model) if id(t) not in known]
-
     def reset_filter_interval(self, interval: int | None = 100) -> None:
         """Change the number of training steps between evictions."""
         self.filter_interval = _check_interval(interval, "reset_filter_interval(interval)")
 
     def attach(self, bus: HookBus) -> None:
-        if not self._tables:
-            raise ValueError(
-                "HashTableFilterHook: no hash tables to filter; pass tables=[...] or model=... "
-                "(there is no global table registry)"
-            )
         self._service = _EvictionService(self._name, self._tables)
         bus.start_service(self._service)
 
@@ -272,7 +271,10 @@ class HashTableFilterHook(Hook):
             table.advance(step)
         if self.last_filter_step is None:
             self.last_filter_step = step
-        elif self.filter_interval is not None and step - self.last_filter_step >= self.filter_interval:
+        elif (
+            self.filter_interval is not None
+            and step - self.last_filter_step >= self.filter_interval
+        ):
             self.last_filter_step = step
             if self._service is not None:
                 self._service.request(step)
@@ -298,4 +300,3 @@ class HashTableFilterHook(Hook):
             f"<HashTableFilterHook filter_interval={self.filter_interval} "
             f"tables={[t.name for t in self._tables]}>"
         )
-

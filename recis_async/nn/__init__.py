@@ -1,11 +1,11 @@
 """Dynamic embedding tables for sparse ids: ``HashTable``, ``DynamicEmbedding`` and their
 admission / filter policies."""
 
+from .builtin_policies import GlobalStepFilter, ReadOnly
 from .embedding import DynamicEmbedding, EmbeddingOption
 from .hashtable import EvictionPlan, HashTable, Initializer, attach_optimizer
 from .hashtable_hook import AdmitHook, FilterHook
 from .policy import AdmitPolicy, FilterPolicy
-from .builtin_policies import GlobalStepFilter, ReadOnly
 from .registry import (
     DEFAULT_POLICIES,
     PolicyRegistry,

@@ -25,7 +25,7 @@ class GradSink(Protocol):
 
 class _GatherRows(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, weight: torch.Tensor, slots: torch.Tensor, sink: GradSink
     ) -> torch.Tensor:
         ctx.sink = sink
@@ -33,7 +33,7 @@ class _GatherRows(torch.autograd.Function):
         return weight.index_select(0, slots)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
         (slots,) = ctx.saved_tensors
         ctx.sink.accumulate_grad(slots, grad)
         return None, None, None
@@ -41,7 +41,7 @@ class _GatherRows(torch.autograd.Function):
 
 class _SumBags(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         weight: torch.Tensor,
         slots: torch.Tensor,
@@ -54,9 +54,7 @@ class _SumBags(torch.autograd.Function):
         return F.embedding_bag(slots, weight, offsets, mode="sum")
 
     @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: Any, grad: torch.Tensor
-    ) -> tuple[None, None, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None, None]:
         slots, bag_of = ctx.saved_tensors
         ctx.sink.accumulate_grad(slots, grad.index_select(0, bag_of))
         return None, None, None, None, None

@@ -126,10 +126,16 @@ class DynamicEmbedding(nn.Module):
         ids: torch.Tensor, offsets: torch.Tensor, mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if mask is not None:
-            raise ValueError("mask: expected None with offsets (offset-encoded ids have no padding)")
+            raise ValueError(
+                "mask: expected None with offsets (offset-encoded ids have no padding)"
+            )
         if ids.dim() != 1:
             raise ValueError(f"ids: expected 1-D with offsets, got shape {tuple(ids.shape)}")
-        if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.is_floating_point():
+        if (
+            not isinstance(offsets, torch.Tensor)
+            or offsets.dim() != 1
+            or offsets.is_floating_point()
+        ):
             raise ValueError(f"offsets: expected a 1-D integer tensor, got {offsets!r:.80}")
         offsets = offsets.to(torch.int64)
         n = ids.numel()
@@ -150,7 +156,11 @@ class DynamicEmbedding(nn.Module):
         if mask is None:
             valid = ids != -1
         else:
-            if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.shape != ids.shape:
+            if (
+                not isinstance(mask, torch.Tensor)
+                or mask.dtype != torch.bool
+                or mask.shape != ids.shape
+            ):
                 raise ValueError(
                     f"mask: expected a bool tensor of shape {tuple(ids.shape)}, got {mask!r:.80}"
                 )
@@ -176,7 +186,9 @@ class DynamicEmbedding(nn.Module):
             bag = torch.repeat_interleave(torch.arange(bags), lengths)
             kept_lengths = torch.bincount(bag[known], minlength=bags)
             kept_offsets = torch.cumsum(kept_lengths, 0) - kept_lengths
-        bag_of = torch.repeat_interleave(torch.arange(bags), kept_lengths, output_size=slots.numel())
+        bag_of = torch.repeat_interleave(
+            torch.arange(bags), kept_lengths, output_size=slots.numel()
+        )
         out = sum_bags(table.weight, slots, kept_offsets, bag_of, table)
         if self.option.combiner == "mean":
             out = out / lengths.clamp(min=1).unsqueeze(1).to(out.dtype)

@@ -106,9 +106,8 @@ class HashTable(nn.Module):
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"HashTable.dtype: expected a floating torch.dtype, got {dtype!r}")
         if initializer is not None and not callable(initializer):
-            raise ValueError(
-                f"HashTable.initializer: expected a callable or None, got {type(initializer).__name__}"
-            )
+            kind = type(initializer).__name__
+            raise ValueError(f"HashTable.initializer: expected a callable or None, got {kind}")
         if not isinstance(name, str) or not name:
             raise ValueError(f"HashTable.name: expected a non-empty str, got {name!r}")
         if not isinstance(policies, PolicyRegistry):
@@ -350,8 +349,13 @@ class HashTable(nn.Module):
                 self.weight.grad = self._padded(grad, new)
         for state in self._optimizer_states():
             for key, value in list(state.items()):
-                if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == old \
-                        and value.shape[1:] == (self._dim,) and not value.is_sparse:
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.dim() >= 1
+                    and value.shape[0] == old
+                    and value.shape[1:] == (self._dim,)
+                    and not value.is_sparse
+                ):
                     state[key] = self._padded(value, new)
         if self._filter is not None:
             self._filter.resize(new)
@@ -439,9 +443,7 @@ class HashTable(nn.Module):
                     found.append(hit + start)
                 time.sleep(0)  # let a waiting lookup take the lock first
         slots = torch.cat(found) if found else torch.empty(0, dtype=torch.int64)
-        return EvictionPlan(
-            self.name, now, slots, generation, time.perf_counter() - started, hold
-        )
+        return EvictionPlan(self.name, now, slots, generation, time.perf_counter() - started, hold)
 
     def apply_eviction(self, plan: EvictionPlan) -> int:
         """Evict the rows of ``plan`` that are still expired; returns how many.
@@ -450,7 +452,9 @@ class HashTable(nn.Module):
         before a ``load_state_dict`` is ignored.
         """
         if not isinstance(plan, EvictionPlan) or plan.table != self.name:
-            raise ValueError(f"plan: expected an EvictionPlan of table {self.name!r}, got {plan!r:.80}")
+            raise ValueError(
+                f"plan: expected an EvictionPlan of table {self.name!r}, got {plan!r:.80}"
+            )
         policy = self._filter
         evicted = 0
         hold = plan.hold_max_s
@@ -531,7 +535,7 @@ class HashTable(nn.Module):
                 missing_keys.append(prefix + name)
         if strict:
             unexpected_keys.extend(
-                k for k in state_dict if k.startswith(prefix) and k[len(prefix):] not in names
+                k for k in state_dict if k.startswith(prefix) and k[len(prefix) :] not in names
             )
         if len(got) != len(names):
             return
@@ -558,7 +562,8 @@ class HashTable(nn.Module):
                 self._filter.resize(cap)
                 try:
                     self._filter.load_state(
-                        slots, {k[len("filter_"):]: v for k, v in got.items() if k.startswith("filter_")}
+                        slots,
+                        {k[len("filter_") :]: v for k, v in got.items() if k.startswith("filter_")},
                     )
                 except ValueError as exc:
                     error_msgs.append(f"{prefix or 'HashTable.'}: {exc}")
@@ -577,12 +582,18 @@ class HashTable(nn.Module):
             )
         for key, value in (("ids", ids), ("slots", slots)):
             if value.dtype != torch.int64 or value.dim() != 1:
-                raise ValueError(f"{key}: expected a 1-D int64 tensor, got {value.dtype} {tuple(value.shape)}")
+                raise ValueError(
+                    f"{key}: expected a 1-D int64 tensor, got {value.dtype} {tuple(value.shape)}"
+                )
         if ids.numel() != slots.numel():
-            raise ValueError(f"ids/slots: expected equal lengths, got {ids.numel()} and {slots.numel()}")
+            raise ValueError(
+                f"ids/slots: expected equal lengths, got {ids.numel()} and {slots.numel()}"
+            )
         if slots.numel():
             if int(slots.min()) < 0 or int(slots.max()) >= weight.shape[0]:
-                raise ValueError(f"slots: expected values in [0, {weight.shape[0]}), got out-of-range slots")
+                raise ValueError(
+                    f"slots: expected values in [0, {weight.shape[0]}), got out-of-range slots"
+                )
             if torch.unique(slots).numel() != slots.numel():
                 raise ValueError("slots: expected distinct values, got duplicates")
             if torch.unique(ids).numel() != ids.numel():

@@ -24,9 +24,7 @@ class _PolicyHook:
         if not isinstance(name, str) or not name:
             raise ValueError(f"{kind}.name: expected a non-empty str, got {name!r}")
         if params is not None and not isinstance(params, Mapping):
-            raise ValueError(
-                f"{kind}.params: expected a dict or None, got {type(params).__name__}"
-            )
+            raise ValueError(f"{kind}.params: expected a dict or None, got {type(params).__name__}")
         frozen = dict(params or {})
         try:
             json.dumps(frozen, sort_keys=True)

@@ -25,7 +25,11 @@ _P = TypeVar("_P", AdmitPolicy, FilterPolicy)
 
 
 def _extended(
-    table: Mapping[str, type[Any]], name: str, cls: type[Any], base: type[Any], kind: str,
+    table: Mapping[str, type[Any]],
+    name: str,
+    cls: type[Any],
+    base: type[Any],
+    kind: str,
     replace: bool,
 ) -> Mapping[str, type[Any]]:
     if not isinstance(name, str) or not name:
@@ -69,10 +73,10 @@ class PolicyRegistry:
     ) -> None:
         a: Mapping[str, type[Any]] = MappingProxyType({})
         f: Mapping[str, type[Any]] = MappingProxyType({})
-        for name, cls in (admit or {}).items():
-            a = _extended(a, name, cls, AdmitPolicy, "admit", False)
-        for name, cls in (filter or {}).items():
-            f = _extended(f, name, cls, FilterPolicy, "filter", False)
+        for name, admit_cls in (admit or {}).items():
+            a = _extended(a, name, admit_cls, AdmitPolicy, "admit", False)
+        for name, filter_cls in (filter or {}).items():
+            f = _extended(f, name, filter_cls, FilterPolicy, "filter", False)
         self._admit = a
         self._filter = f
 
