@@ -415,12 +415,19 @@ def test_state_dict_inside_a_model_and_key_checks() -> None:
 
 
 def test_pickle_deepcopy_and_attach_helper() -> None:
-    table = HashTable(2, initializer=functools.partial(nn.init.constant_, val=1.0))
+    table = HashTable(
+        2,
+        initializer=functools.partial(nn.init.constant_, val=1.0),
+        admit_hook=None,
+        filter_hook=step_filter(3),
+        policies=register_admit_policy("EvenOnly", EvenOnly),
+    )
     table(ids(1, 2))
     for clone in (pickle.loads(pickle.dumps(table)), copy.deepcopy(table)):
         assert clone.ids().tolist() == [1, 2]
         clone(ids(3))  # its own lock works
         assert clone.ids_count() == 3 and table.ids_count() == 2
+        assert clone.filter_hook == step_filter(3) and "EvenOnly" in clone.policies.admit_names
     model = nn.ModuleDict({"a": table, "b": HashTable(2)})
     assert attach_optimizer(model, torch.optim.Adam(model.parameters())) == 2
     with pytest.raises(ValueError, match="optimizer: expected a torch.optim.Optimizer"):

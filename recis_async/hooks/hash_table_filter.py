@@ -101,6 +101,7 @@ class _EvictionService:
             "last_evicted": 0,
             "scan_s_max": 0.0,
             "hold_s_max": 0.0,
+            "lookup_wait_s_max": 0.0,
         }
         self._by_table: dict[str, int] = {}
         for table in tables:
@@ -153,12 +154,16 @@ class _EvictionService:
         for table in self._tables:
             plan = await anyio.to_thread.run_sync(table.scan_eviction, step)
             evicted = await anyio.to_thread.run_sync(table.apply_eviction, plan)
-            last = table.eviction_stats()["last"]
+            table_stats = table.eviction_stats()
+            last = table_stats["last"]
             total += evicted
             self._by_table[self._label(table)] += evicted
             self._counts["scan_s_max"] = max(self._counts["scan_s_max"], plan.scan_s)
             self._counts["hold_s_max"] = max(
                 self._counts["hold_s_max"], last.get("hold_max_s", 0.0)
+            )
+            self._counts["lookup_wait_s_max"] = max(
+                self._counts["lookup_wait_s_max"], table_stats["lookup_wait_max_s"]
             )
             log.info(
                 "%s: step %d evicted %d of %d candidate ids from %r (%d ids left)",

@@ -19,7 +19,7 @@ import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -37,9 +37,15 @@ __all__ = ["HashTable", "EvictionPlan", "Initializer", "attach_optimizer"]
 #: or returns the rows to use.
 Initializer = Callable[[torch.Tensor], Any]
 
-_SNAPSHOT_CHUNK = 1 << 18  # slots copied per lock hold while scanning
-_APPLY_CHUNK = 1 << 16  # slots removed per lock hold while applying
+_SNAPSHOT_CHUNK = 1 << 17  # slots copied per lock hold while scanning
+_APPLY_CHUNK = 1 << 13  # slots removed per lock hold while applying
 _MIN_CAPACITY = 16
+
+
+class _Taken(NamedTuple):
+    reused: torch.Tensor  # evicted slots handed out again
+    start: int  # first fresh slot
+    fresh: int  # number of fresh slots
 
 
 @dataclass(frozen=True, eq=False)
@@ -142,6 +148,7 @@ class HashTable(nn.Module):
         self._generation = 0  # bumped by load_state_dict: plans from before are void
         self._evicted_total = 0
         self._last_eviction: dict[str, Any] = {}
+        self._lookup_wait_max_s = 0.0
         self._lock = threading.Lock()
         self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         if self._filter is not None:
@@ -247,13 +254,14 @@ class HashTable(nn.Module):
         """
         train = self.training
         admit = self._admit_policy(admit_hook) if train else None
-        with self._lock:
+        self._acquire_for_lookup()
+        try:
             if train and admit is None:  # insert everything unseen, in one probing pass
-                assigned: list[torch.Tensor] = []
+                taken: list[_Taken] = []
                 try:
-                    slots = self._map.find_or_insert(ids, lambda k: self._take(k, assigned))
+                    slots = self._map.find_or_insert(ids, lambda k: self._take(k, taken))
                 finally:
-                    for new in assigned:
+                    for new in taken:
                         self._fill_new(new)
                 if self._filter is not None:
                     self._filter.touch(slots)
@@ -268,7 +276,20 @@ class HashTable(nn.Module):
                 missing = bool(miss.any())
             if train and self._filter is not None:
                 self._filter.touch(slots[~miss] if missing else slots)
+        finally:
+            self._lock.release()
         return slots, (~miss if missing else None)
+
+    def _acquire_for_lookup(self) -> None:
+        """Take the lock, recording how long a lookup had to wait (behind an eviction chunk,
+        say) when it was taken."""
+        if self._lock.acquire(blocking=False):
+            return
+        started = time.perf_counter()
+        self._lock.acquire()
+        waited = time.perf_counter() - started
+        if waited > self._lookup_wait_max_s:
+            self._lookup_wait_max_s = waited
 
     def _insert_admitted(
         self, ids: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor, admit: AdmitPolicy
@@ -285,40 +306,52 @@ class HashTable(nn.Module):
         if chosen.numel() == 0:
             return slots
         new_slots = torch.full_like(new_ids, -1)
-        taken = self._take(int(chosen.numel()), [])
-        self._map.insert(new_ids[chosen], taken)
-        self._fill_new(taken)
+        record: list[_Taken] = []
+        taken = self._take(int(chosen.numel()), record)
+        try:
+            self._map.insert(new_ids[chosen], taken)
+        except BaseException:
+            self._free.push(taken)  # not handed out after all
+            raise
+        self._fill_new(record[0])
         new_slots[chosen] = taken
         slots = slots.clone()
         slots[where] = new_slots[inverse]
         return slots
 
-    def _take(self, k: int, assigned: list[torch.Tensor]) -> torch.Tensor:
-        """``k`` slots for new ids (evicted rows first, then fresh ones), also appended to
-        ``assigned``."""
+    def _take(self, k: int, taken: list[_Taken]) -> torch.Tensor:
+        """``k`` slots for new ids: evicted rows first, then fresh ones (recorded in
+        ``taken`` for :meth:`_fill_new`)."""
         reused = self._free.pop(k)
         fresh = k - int(reused.numel())
         if self._next + fresh > self.capacity:
             self._grow(self._next + fresh)
         start = self._next
         self._next += fresh
-        slots = torch.cat([reused, torch.arange(start, start + fresh)])
-        assigned.append(slots)
-        return slots
+        taken.append(_Taken(reused, start, fresh))
+        return torch.cat([reused, torch.arange(start, start + fresh)])
 
-    def _fill_new(self, slots: torch.Tensor) -> None:
-        """Initialise the rows at ``slots`` and clear their gradient and optimizer state."""
-        k = int(slots.numel())
-        if k == 0:
+    def _fill_new(self, taken: _Taken) -> None:
+        """Initialise the new rows and clear their gradient and optimizer state.
+
+        Fresh rows are one contiguous range, written as a slice (sequential memory).
+        """
+        reused, start, fresh = taken
+        r = int(reused.numel())
+        if r + fresh == 0:
             return
-        self.weight.data[slots] = self._initial_rows(k)
+        rows = self._initial_rows(r + fresh)
+        targets = [self.weight.data]
         grad = self.weight.grad
         if grad is not None and not grad.is_sparse:
-            grad[slots] = 0
+            targets.append(grad)
         for state in self._optimizer_states():
-            for value in state.values():
-                if self._is_row_state(value):
-                    value[slots] = 0
+            targets.extend(v for v in state.values() if self._is_row_state(v))
+        for i, target in enumerate(targets):
+            if r:
+                target[reused] = rows[:r] if i == 0 else 0
+            if fresh:
+                target[start : start + fresh] = rows[r:] if i == 0 else 0
 
     def _initial_rows(self, k: int) -> torch.Tensor:
         rows = torch.zeros((k, *self.embedding_shape), dtype=self.dtype)
@@ -362,8 +395,9 @@ class HashTable(nn.Module):
 
     @staticmethod
     def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
-        out = torch.zeros((rows, *t.shape[1:]), dtype=t.dtype)
+        out = torch.empty((rows, *t.shape[1:]), dtype=t.dtype)
         out[: t.shape[0]] = t
+        out[t.shape[0] :] = 0
         return out
 
     def _is_row_state(self, value: object) -> bool:
@@ -417,7 +451,7 @@ class HashTable(nn.Module):
         """Choose the rows to evict at step ``now`` (default: the filter clock).
 
         Thread-safe and meant for a worker thread: the filter state is copied in chunks of
-        at most ``2**18`` slots per lock hold, the decision runs without the lock.
+        at most ``2**17`` slots per lock hold, the decision runs without the lock.
         """
         started = time.perf_counter()
         hold = 0.0
@@ -448,7 +482,7 @@ class HashTable(nn.Module):
     def apply_eviction(self, plan: EvictionPlan) -> int:
         """Evict the rows of ``plan`` that are still expired; returns how many.
 
-        Thread-safe; holds the lock for at most ``2**16`` rows at a time.  A plan made
+        Thread-safe; holds the lock for at most ``2**13`` rows at a time.  A plan made
         before a ``load_state_dict`` is ignored.
         """
         if not isinstance(plan, EvictionPlan) or plan.table != self.name:
@@ -489,11 +523,14 @@ class HashTable(nn.Module):
         return self.apply_eviction(self.scan_eviction(now))
 
     def eviction_stats(self) -> dict[str, Any]:
-        """``evicted_total``, ``ids``, and the last eviction's figures."""
+        """``evicted_total``, ``ids``, the last eviction's figures (``hold_max_s``: longest
+        wall time inside the lock in one chunk), and ``lookup_wait_max_s``: the longest a
+        lookup has waited for the lock so far."""
         with self._lock:
             return {
                 "evicted_total": self._evicted_total,
                 "ids": len(self._map),
+                "lookup_wait_max_s": self._lookup_wait_max_s,
                 "last": dict(self._last_eviction),
             }
 

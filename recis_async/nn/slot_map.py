@@ -54,15 +54,14 @@ class SlotMap:
     def _alloc(self, bits: int) -> None:
         self._bits = bits
         # one scratch row at index `capacity` absorbs writes of queries that must not write
-        self._kv = torch.zeros((1 << bits) + 1, 2, dtype=torch.int64)
-        self._kv[:, 1] = EMPTY
+        self._kv = torch.full(((1 << bits) + 1, 2), EMPTY, dtype=torch.int64)
         self._flat = self._kv.view(-1)  # key of position p at 2p, value at 2p + 1
         self._live = 0
         self._used = 0  # live keys plus tombstones
         # Claims are arbitrated in a small array indexed by position modulo its size (the
         # last cell absorbs non-claims).  Two positions sharing a cell make one claimant
         # lose spuriously; it simply claims again next round.
-        self._arbiter = torch.zeros((1 << min(bits, _SCRATCH_BITS)) + 1, dtype=torch.int64)
+        self._arbiter = torch.empty((1 << min(bits, _SCRATCH_BITS)) + 1, dtype=torch.int64)
 
     @property
     def capacity(self) -> int:
