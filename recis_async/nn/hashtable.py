@@ -87,7 +87,7 @@ class HashTable(nn.Module):
         policies: the registry resolving hook names (see :mod:`recis_async.nn.registry`).
         sparse: produce sparse COO gradients (for ``torch.optim.SparseAdam``, ``Adagrad``,
             ``SGD``) instead of dense ones.
-        capacity: initial number of row slots (the table doubles when full).
+        capacity: initial number of row slots (the table grows by half when full).
 
     Optimizers that keep per-parameter state (Adam, SGD with momentum) must be told about
     the table with :meth:`attach_optimizer` so that growth pads their state and a reused
@@ -252,6 +252,10 @@ class HashTable(nn.Module):
         Returns ``(slots, known)``: ``known`` is ``None`` when every id has a row, else a
         boolean mask (``slots`` is -1 where it is False).
         """
+        if ids.dim() != 1 or ids.dtype != torch.int64:
+            raise ValueError(
+                f"ids: expected a 1-D int64 tensor, got {ids.dtype} of shape {tuple(ids.shape)}"
+            )
         train = self.training
         admit = self._admit_policy(admit_hook) if train else None
         self._acquire_for_lookup()
