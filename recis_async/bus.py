@@ -219,6 +219,7 @@ class HookBus:
         self._signal: int | None = None  # the first stop signal received
         self._hurry = False  # a second signal: close without waiting
         self._close_scope: anyio.CancelScope | None = None
+        self._service_scopes: list[anyio.CancelScope] = []
         self._last_yield = 0.0
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -249,7 +250,9 @@ class HookBus:
         try:
             errors = await self._close(exc)
         finally:
-            tg.cancel_scope.cancel()  # every service returned already; this stops stragglers
+            for scope in self._service_scopes:  # every service returned already, normally
+                scope.cancel()
+            tg.cancel_scope.cancel()
             if isinstance(exc, anyio.get_cancelled_exc_class()):
                 # Our own cancel scope (a second signal) swallows its cancellation here; an
                 # outer cancellation propagates.
@@ -381,10 +384,13 @@ class HookBus:
                     self._close_scope.deadline = -math.inf
 
     async def _run_service(self, service: Service) -> None:
+        """Run a service shielded from outer cancellation: when the body is cancelled the
+        service must live on until close drains it.  Close cancels it explicitly after
+        ``aclose`` (it normally returned by then)."""
         try:
-            await service.run()
-        except anyio.get_cancelled_exc_class():
-            raise
+            with anyio.CancelScope(shield=True) as scope:
+                self._service_scopes.append(scope)
+                await service.run()
         except Exception as exc:
             err = HookError(f"service {service.name!r} failed: {exc}", subscriber=service.name)
             err.__cause__ = exc
