@@ -237,6 +237,7 @@ def test_configuration_errors_fail_early() -> None:
     assert hook.filter_interval == 7
     hook.reset_filter_interval(None)
     assert hook.filter_interval is None
+    assert HashTableFilterHook(5, tables=[table(1)], name="items").state_key == "items"
 
 
 async def test_state_dict_keeps_the_anchor() -> None:

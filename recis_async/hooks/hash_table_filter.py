@@ -212,7 +212,7 @@ class HashTableFilterHook(Hook):
         tables: the :class:`~recis_async.nn.HashTable` objects to filter (each with a
             ``filter_hook``).
         model: a module whose ``HashTable`` submodules with a ``filter_hook`` are filtered.
-        name: the service name in ``bus.stats()["services"]``.
+        name: the service name in ``bus.stats()["services"]`` and the hook's ``state_key``.
 
     Eviction counts are logged and reported under ``bus.stats()["services"][name]``.
     """
@@ -249,6 +249,11 @@ class HashTableFilterHook(Hook):
     @property
     def tables(self) -> tuple[HashTable, ...]:
         return tuple(self._tables)
+
+    @property
+    def state_key(self) -> str:
+        """``name``: two filter hooks on one bus need distinct names."""
+        return self._name
 
     def reset_filter_interval(self, interval: int | None = 100) -> None:
         """Change the number of training steps between evictions."""
