@@ -86,6 +86,13 @@ def test_default_initializer_is_zeros_and_bad_initializers_fail_at_construction(
         table(torch.tensor([1.0]))
 
 
+def test_dtype_follows_module_conversion() -> None:
+    table = HashTable(2, initializer=const(1.5)).double()
+    assert table(ids(1)).dtype == torch.float64 and table.dtype == torch.float64
+    table(ids(1)).sum().backward()
+    assert table.weight.grad is not None and table.weight.grad.dtype == torch.float64
+
+
 def test_eval_lookups_do_not_insert() -> None:
     table = HashTable(3, initializer=const(1.0))
     table(ids(1))

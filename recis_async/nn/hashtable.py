@@ -125,7 +125,6 @@ class HashTable(nn.Module):
         if type(sparse) is not bool:
             raise ValueError(f"HashTable.sparse: expected a bool, got {sparse!r}")
         self.name = name
-        self.dtype = dtype
         self.sparse = sparse
         self._dim = math.prod(self.embedding_shape)
         self._initializer = initializer
@@ -139,9 +138,9 @@ class HashTable(nn.Module):
             policies.filter_policy(filter_hook) if filter_hook is not None else None
         )
         self._admit_cache: dict[AdmitHook, AdmitPolicy] = {}
+        self.weight = nn.Parameter(torch.zeros(capacity, self._dim, dtype=dtype))
         if initializer is not None:
             self._initial_rows(1)  # a broken initializer fails here, not mid-training
-        self.weight = nn.Parameter(torch.zeros(capacity, self._dim, dtype=dtype))
         self._map = SlotMap()
         self._free = FreeSlots()
         self._next = 0  # slots below this were handed out at least once
@@ -158,6 +157,11 @@ class HashTable(nn.Module):
     @property
     def capacity(self) -> int:
         return int(self.weight.shape[0])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of the rows (follows ``table.double()`` and friends)."""
+        return self.weight.dtype
 
     @property
     def policies(self) -> PolicyRegistry:
