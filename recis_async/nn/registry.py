@@ -2,11 +2,11 @@
 
 There is deliberately no process-wide mutable registry.  ``register_admit_policy`` and
 ``register_filter_policy`` return a *new* :class:`PolicyRegistry` (the built-ins plus the
-addition) and leave the one they extend untouched; a table keeps the registry it was given
-and can extend its own copy (``HashTable.register_admit_policy``), which replaces the
-table's reference in one assignment.  So registering never changes the behaviour of another
-table, two threads registering cannot race, and nothing global keeps tables or policy
-objects alive: registries hold classes, each table holds its own policy instances.
+addition) and leave the one they extend untouched; a table is given its registry
+(``HashTable(..., policies=...)``, default :data:`DEFAULT_POLICIES`) and keeps that
+reference.  So registering never changes the behaviour of another table, two threads
+registering cannot race, and nothing global keeps tables or policy objects alive:
+registries hold classes, each table holds its own policy instances.
 """
 
 from __future__ import annotations
