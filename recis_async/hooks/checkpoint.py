@@ -1,0 +1,536 @@
+"""Asynchronous checkpoints: snapshot on the step, write in the background, restore on resume.
+
+:class:`CheckpointSaverHook` takes a snapshot of the model, the optimizer (and LR scheduler), the
+step and every hook's ``state_dict()`` at a save point, with tensors cloned to CPU, so training
+may go on mutating its tensors at once.  A background service writes the snapshot with
+``torch.save`` in a worker thread, atomically (temporary file, ``fsync``, ``os.replace``), and
+keeps the newest ``max_to_keep`` files ``checkpoint-<step>.pt``.  Memory stays bounded: one
+snapshot is written at a time and at most one more waits; a newer snapshot replaces a waiting
+one (it holds everything the older one had).
+
+:func:`restore_checkpoint` loads the newest checkpoint into the model and optimizer, hands each
+hook on the bus its saved state (``load_state_dict``) and publishes ``AfterLoadCheckpoint``.
+``global_step`` in both checkpoint events is the number of completed steps, the step to resume
+from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import re
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import anyio
+import anyio.to_thread
+import torch
+
+from ..events import AfterLoadCheckpoint, AfterStep, BeforeSaveCheckpoint, End
+from ..hook import Hook
+from ..priority import Priority
+from ._checks import positive_int, positive_number, writable_dir
+
+if TYPE_CHECKING:
+    from ..bus import HookBus
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "CheckpointSaverHook",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "restore_checkpoint",
+]
+
+logger = logging.getLogger("recis_async.hooks.checkpoint")
+
+CHECKPOINT_FORMAT = "recis_async.checkpoint/1"
+_FILE = re.compile(r"^checkpoint-(\d+)\.pt$")
+_TMP_PREFIX = ".checkpoint-"
+_TMP_MARK = ".pt.tmp-"
+_PLAIN = (type(None), bool, int, float, str, bytes)
+_SAVE_AT_END = ("ok", "preempted")  # a failed or cancelled run may hold a broken model
+
+
+def checkpoint_path(output_dir: str, step: int) -> str:
+    """Where the checkpoint of ``step`` completed steps lives."""
+    return os.path.join(output_dir, f"checkpoint-{step}.pt")
+
+
+def list_checkpoints(output_dir: str | os.PathLike[str]) -> list[tuple[int, str]]:
+    """``(step, path)`` of every complete checkpoint in ``output_dir``, oldest first.
+
+    Temporary files of unfinished writes are never listed; a missing directory has none.
+    """
+    root = os.fspath(output_dir)
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    found = [(int(m.group(1)), os.path.join(root, n)) for n in names if (m := _FILE.match(n))]
+    return sorted(found)
+
+
+def latest_checkpoint(output_dir: str | os.PathLike[str]) -> tuple[int, str] | None:
+    """``(step, path)`` of the newest checkpoint in ``output_dir``, or ``None``."""
+    found = list_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+# ---------------------------------------------------------------------- snapshots
+class _Snapshot(NamedTuple):
+    step: int
+    path: str
+    payload: dict[str, Any]
+    nbytes: int
+
+
+class _Copier:
+    """Deep copy of a state tree with tensors cloned to CPU (shared storage stays shared),
+    refusing what ``torch.load(weights_only=True)`` could not read back."""
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+        self._tensors: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def copy(self, obj: Any, where: str) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return self._tensor(obj)
+        if isinstance(obj, _PLAIN):
+            return obj
+        if isinstance(obj, dict):
+            out: dict[Any, Any] = OrderedDict() if isinstance(obj, OrderedDict) else {}
+            for k, v in obj.items():
+                out[k] = self.copy(v, f"{where}[{k!r}]")
+            metadata = getattr(obj, "_metadata", None)  # module versions in a state_dict
+            if metadata is not None:
+                out._metadata = copy.deepcopy(metadata)  # type: ignore[attr-defined]
+            return out
+        if type(obj) in (list, tuple):
+            return type(obj)(self.copy(v, f"{where}[{i}]") for i, v in enumerate(obj))
+        raise TypeError(
+            f"CheckpointSaverHook: {where} is a {type(obj).__module__}.{type(obj).__qualname__}; "
+            "expected tensors, numbers, strings, bytes, None, or dicts/lists/tuples of those "
+            "(what torch.load(weights_only=True) reads back)"
+        )
+
+    def _tensor(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        key = (
+            t.untyped_storage().data_ptr(),
+            t.device,
+            t.dtype,
+            t.storage_offset(),
+            tuple(t.shape),
+            t.stride(),
+        )
+        done = self._tensors.get(key)
+        if done is None:
+            done = self._tensors[key] = t.to("cpu", copy=True)
+            self.nbytes += done.numel() * done.element_size()
+        return done
+
+
+# ---------------------------------------------------------------------- the writer
+class _CheckpointWriter:
+    """Background service: writes one snapshot at a time, at most one more waits."""
+
+    def __init__(self, output_dir: str, max_to_keep: int | None) -> None:
+        self.name = f"CheckpointSaverHook({output_dir})"
+        self.output_dir = output_dir
+        self.max_to_keep = max_to_keep
+        self.failure: BaseException | None = None
+        self.finished = anyio.Event()
+        self._pending: _Snapshot | None = None
+        self._writing: _Snapshot | None = None
+        self._wake = anyio.Event()
+        self._idle = anyio.Event()
+        self._idle.set()
+        self._closing = False
+        self._written = 0
+        self._superseded = 0
+        self._bytes_written = 0
+        self._last_step: int | None = None
+        self._last_write_s = 0.0
+
+    def submit(self, snap: _Snapshot) -> None:
+        """Queue ``snap``; a snapshot still waiting is replaced (the newer holds all it had)."""
+        if self.failure is not None:
+            raise RuntimeError(
+                f"checkpoint of step {snap.step} not taken: an earlier write failed "
+                f"({self.failure})"
+            ) from self.failure
+        if self._closing:
+            raise RuntimeError(f"checkpoint of step {snap.step} not taken: the writer is closed")
+        if self._pending is not None:
+            self._superseded += 1
+            logger.warning(
+                "checkpoint of step %d superseded by step %d before it was written "
+                "(writes are slower than save_steps/save_secs)",
+                self._pending.step,
+                snap.step,
+            )
+        self._pending = snap
+        if self._idle.is_set():
+            self._idle = anyio.Event()
+        self._wake.set()
+
+    async def wait_idle(self) -> None:
+        """Return once nothing is queued or being written; raise if the writer failed."""
+        await self._idle.wait()
+        if self.failure is not None:
+            raise RuntimeError(f"checkpoint writer failed: {self.failure}") from self.failure
+
+    async def run(self) -> None:
+        try:
+            while True:
+                snap = self._pending
+                if snap is None:
+                    self._idle.set()
+                    if self._closing:
+                        return
+                    self._wake = anyio.Event()
+                    await self._wake.wait()
+                    continue
+                self._pending = None
+                self._writing = snap
+                t = time.perf_counter()
+                await anyio.to_thread.run_sync(self._write, snap, abandon_on_cancel=True)
+                self._last_write_s = time.perf_counter() - t
+                self._writing = None
+                self._written += 1
+                self._bytes_written += snap.nbytes
+                self._last_step = snap.step
+        except anyio.get_cancelled_exc_class():
+            raise
+        except BaseException as exc:
+            self.failure = exc
+            if self._pending is not None:
+                logger.error(
+                    "checkpoint of step %d not written: the writer failed", self._pending.step
+                )
+                self._pending = None
+            raise
+        finally:
+            self.finished.set()
+            self._idle.set()  # nothing more will be written: release waiters
+
+    async def aclose(self, deadline: float) -> None:
+        self._closing = True
+        self._wake.set()
+        with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+            await self.finished.wait()
+        if not self.finished.is_set():
+            unwritten = [s.step for s in (self._writing, self._pending) if s is not None]
+            raise TimeoutError(
+                f"checkpoint(s) of step {unwritten} not confirmed written within the bus's "
+                "flush_timeout; an unfinished write leaves no file behind"
+            )
+
+    def stats(self) -> Mapping[str, Any]:
+        return {
+            "written": self._written,
+            "superseded": self._superseded,
+            "bytes_written": self._bytes_written,
+            "last_step": self._last_step,
+            "last_write_s": self._last_write_s,
+            "writing_step": None if self._writing is None else self._writing.step,
+            "pending_step": None if self._pending is None else self._pending.step,
+        }
+
+    # -- worker thread
+    def _write(self, snap: _Snapshot) -> None:
+        tmp = os.path.join(
+            self.output_dir, f"{_TMP_PREFIX}{snap.step}{_TMP_MARK}{uuid.uuid4().hex[:12]}"
+        )
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(snap.payload, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, snap.path)
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise RuntimeError(
+                f"cannot write the checkpoint of step {snap.step} to {snap.path}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        _fsync_dir(self.output_dir)
+        self._prune()
+
+    def _prune(self) -> None:
+        if self.max_to_keep is None:
+            return
+        found = list_checkpoints(self.output_dir)
+        for _step, path in found[: max(0, len(found) - self.max_to_keep)]:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                logger.warning("could not remove old checkpoint %s: %s", path, exc)
+
+
+def _fsync_dir(path: str) -> None:
+    """Make the rename durable (POSIX); a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _remove_stale_temporaries(output_dir: str) -> None:
+    """Temporary files left by a process killed mid-write."""
+    for name in os.listdir(output_dir):
+        if name.startswith(_TMP_PREFIX) and _TMP_MARK in name:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(output_dir, name))
+                logger.info("removed unfinished checkpoint file %s", name)
+
+
+# ---------------------------------------------------------------------- the hook
+def _has_state(owner: str, field: str, obj: Any, *, optional: bool) -> None:
+    if obj is None and optional:
+        return
+    if not all(callable(getattr(obj, m, None)) for m in ("state_dict", "load_state_dict")):
+        expected = "an object with state_dict() and load_state_dict()"
+        expected += " or None" if optional else ""
+        raise TypeError(f"{owner}({field}=...): expected {expected}, got {obj!r}")
+
+
+class CheckpointSaverHook(Hook):
+    """Save ``model``/``optimizer``/``lr_scheduler``, the step and every hook's state.
+
+    Save points: the training ``AfterStep`` of every ``save_steps``-th completed step (counted
+    by the global step, so a resumed run keeps the cadence) or the first one ``save_secs``
+    after the previous save (at most one of the two), and ``End`` when ``save_end`` and the run
+    ended ``ok`` or ``preempted`` with steps not yet saved.  At a save point during the run it
+    publishes ``BeforeSaveCheckpoint``, then reads every hook's ``state_dict()``; the save at
+    ``End`` happens while the bus closes, when no event can be published, after every other
+    ``End`` subscriber (the hook runs at ``Priority.VERY_LOW``).
+
+    A write that fails (unwritable directory, full disk) leaves no file behind and raises
+    :class:`~recis_async.HookError` at the next ``publish`` or at close.  Added on rank 0 only:
+    in data-parallel training every rank holds the same weights.  One saver per directory:
+    unfinished temporary files found there at construction are removed.
+    """
+
+    priority = Priority.VERY_LOW
+    rank_zero_only = True
+
+    def __init__(
+        self,
+        output_dir: str | os.PathLike[str],
+        save_steps: int | None = None,
+        save_secs: float | None = None,
+        max_to_keep: int | None = 5,
+        save_end: bool = True,
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: Any = None,
+        lr_scheduler: Any = None,
+    ) -> None:
+        owner = type(self).__name__
+        if save_steps is not None:
+            positive_int(owner, "save_steps", save_steps)
+        if save_secs is not None:
+            positive_number(owner, "save_secs", save_secs)
+        if save_steps is not None and save_secs is not None:
+            raise ValueError(
+                f"{owner}: expected at most one of save_steps or save_secs, got "
+                f"save_steps={save_steps!r}, save_secs={save_secs!r}"
+            )
+        if not isinstance(save_end, bool):
+            raise TypeError(f"{owner}(save_end=...): expected a bool, got {save_end!r}")
+        if save_steps is None and save_secs is None and not save_end:
+            raise ValueError(
+                f"{owner}: expected save_steps, save_secs or save_end=True, got none of them "
+                "(nothing would ever be saved)"
+            )
+        if max_to_keep is not None:
+            positive_int(owner, "max_to_keep", max_to_keep)
+        _has_state(owner, "model", model, optional=False)
+        _has_state(owner, "optimizer", optimizer, optional=True)
+        _has_state(owner, "lr_scheduler", lr_scheduler, optional=True)
+        self.output_dir = writable_dir(owner, "output_dir", output_dir)
+        _remove_stale_temporaries(self.output_dir)
+        self.save_steps = save_steps
+        self.save_secs = None if save_secs is None else float(save_secs)
+        self.max_to_keep = max_to_keep
+        self.save_end = save_end
+        self.model = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self._bus: HookBus | None = None
+        self._writer: _CheckpointWriter | None = None
+        self._last_step: int | None = None  # completed steps at the latest training AfterStep
+        self._last_saved: int | None = None
+        self._last_time = 0.0
+
+    def attach(self, bus: HookBus) -> None:
+        if self._writer is not None and not self._writer.finished.is_set():
+            raise RuntimeError(f"{self!r} is already attached to a bus that is still open")
+        self._bus = bus
+        self._writer = _CheckpointWriter(self.output_dir, self.max_to_keep)
+        self._last_step = self._last_saved = None
+        self._last_time = time.monotonic()
+        bus.start_service(self._writer)
+
+    async def after_step(self, event: AfterStep) -> None:
+        if not event.is_train:
+            return
+        step = self._last_step = event.global_step + 1
+        if self.save_steps is not None:
+            due = step % self.save_steps == 0
+        elif self.save_secs is not None:
+            due = time.monotonic() - self._last_time >= self.save_secs
+        else:
+            due = False
+        if due and step != self._last_saved:
+            bus = self._require_bus()
+            path = checkpoint_path(self.output_dir, step)
+            await bus.publish(BeforeSaveCheckpoint(global_step=step, path=path))
+            self._take(bus, step, path)
+
+    def end(self, event: End) -> None:
+        step = self._last_step
+        if not self.save_end or step is None or step == self._last_saved:
+            return
+        if event.status not in _SAVE_AT_END:
+            logger.info("no checkpoint at End: the run ended %r", event.status)
+            return
+        writer = self._writer
+        if writer is not None and writer.failure is not None:
+            logger.error("no checkpoint at End (step %d): an earlier write failed", step)
+            return
+        self._take(self._require_bus(), step, checkpoint_path(self.output_dir, step))
+
+    def after_load_checkpoint(self, event: AfterLoadCheckpoint) -> None:
+        self._last_saved = event.global_step  # that state is on disk already
+
+    def _take(self, bus: HookBus, step: int, path: str) -> None:
+        """Snapshot on the step (tensors cloned to CPU) and hand it to the writer."""
+        assert self._writer is not None and self.model is not None
+        hooks: dict[str, Any] = {}
+        for hook in bus.hooks:
+            if hook is self:
+                continue
+            try:
+                hooks[hook.state_key] = hook.state_dict()
+            except Exception as exc:
+                raise RuntimeError(f"{hook!r}.state_dict() failed: {exc}") from exc
+        copier = _Copier()
+        payload = {
+            "format": CHECKPOINT_FORMAT,
+            "global_step": step,
+            "model": copier.copy(self.model.state_dict(), "model.state_dict()"),
+            "optimizer": None
+            if self.optimizer is None
+            else copier.copy(self.optimizer.state_dict(), "optimizer.state_dict()"),
+            "lr_scheduler": None
+            if self.lr_scheduler is None
+            else copier.copy(self.lr_scheduler.state_dict(), "lr_scheduler.state_dict()"),
+            "hooks": {
+                key: copier.copy(state, f"hook state {key!r}") for key, state in hooks.items()
+            },
+        }
+        self._writer.submit(_Snapshot(step, path, payload, copier.nbytes))
+        self._last_saved = step
+        self._last_time = time.monotonic()
+
+    async def flush(self) -> None:
+        """Wait until every snapshot taken so far is on disk (or superseded by a newer one);
+        raise if a write failed.  Meant for tests and tools: the training loop need not."""
+        if self._writer is None:
+            raise RuntimeError(f"{self!r} is not attached to a bus: bus.add_hook(hook) first")
+        await self._writer.wait_idle()
+
+    def _require_bus(self) -> HookBus:
+        if self._bus is None:
+            raise RuntimeError(f"{self!r} is not attached to a bus: bus.add_hook(hook) first")
+        return self._bus
+
+    def __repr__(self) -> str:
+        if self.save_steps is not None:
+            every = f"save_steps={self.save_steps}"
+        elif self.save_secs is not None:
+            every = f"save_secs={self.save_secs}"
+        else:
+            every = "at End only"
+        return f"<CheckpointSaverHook {self.output_dir} {every} max_to_keep={self.max_to_keep}>"
+
+
+# ---------------------------------------------------------------------- restore
+def _load(path: str) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        payload = torch.load(f, map_location="cpu", weights_only=True)
+    if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
+        found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
+        raise ValueError(
+            f"restore_checkpoint: {path} is not a recis_async checkpoint "
+            f"(expected format {CHECKPOINT_FORMAT!r}, got {found!r})"
+        )
+    return payload
+
+
+async def restore_checkpoint(
+    bus: HookBus,
+    output_dir: str | os.PathLike[str],
+    model: torch.nn.Module,
+    optimizer: Any = None,
+    lr_scheduler: Any = None,
+) -> int | None:
+    """Load the newest checkpoint of ``output_dir``; return its step, or ``None`` if none.
+
+    Loads ``model`` (strictly), ``optimizer`` and ``lr_scheduler`` when given, calls
+    ``load_state_dict`` of every hook on ``bus`` whose ``state_key`` the checkpoint holds (each
+    with its own copy), then publishes ``AfterLoadCheckpoint(global_step, path, hook_states)``
+    so hooks can react with their state already in place.  Reading runs in a worker thread;
+    the file is read with ``torch.load(weights_only=True)``.
+    """
+    _has_state("restore_checkpoint", "model", model, optional=False)
+    _has_state("restore_checkpoint", "optimizer", optimizer, optional=True)
+    _has_state("restore_checkpoint", "lr_scheduler", lr_scheduler, optional=True)
+    found = await anyio.to_thread.run_sync(latest_checkpoint, output_dir)
+    if found is None:
+        logger.info("no checkpoint in %s: starting from scratch", os.fspath(output_dir))
+        return None
+    path = found[1]
+    payload = await anyio.to_thread.run_sync(_load, path)
+    step = payload.get("global_step")
+    if type(step) is not int:
+        raise ValueError(f"restore_checkpoint: {path} has no int global_step, got {step!r}")
+    model.load_state_dict(payload["model"])
+    for field, target in (("optimizer", optimizer), ("lr_scheduler", lr_scheduler)):
+        if target is None:
+            continue
+        if payload.get(field) is None:
+            raise ValueError(
+                f"restore_checkpoint({field}=...): {path} holds no {field} state; "
+                f"pass {field}=None to restore without it"
+            )
+        target.load_state_dict(payload[field])
+    hook_states: dict[str, Any] = payload.get("hooks") or {}
+    on_bus = {hook.state_key: hook for hook in bus.hooks}
+    for key, state in hook_states.items():
+        hook = on_bus.get(key)
+        if hook is None:
+            if state:
+                logger.warning("%s holds state for %r: no such hook on the bus", path, key)
+            continue
+        hook.load_state_dict(copy.deepcopy(state))
+    logger.info("restored %s (step %d)", path, step)
+    await bus.publish(AfterLoadCheckpoint(global_step=step, path=path, hook_states=hook_states))
+    return step
