@@ -43,6 +43,7 @@ __all__ = [
     "CHECKPOINT_FORMAT",
     "CheckpointSaverHook",
     "latest_checkpoint",
+    "latest_checkpoint_step",
     "list_checkpoints",
     "restore_checkpoint",
 ]
@@ -80,6 +81,13 @@ def latest_checkpoint(output_dir: str | os.PathLike[str]) -> tuple[int, str] | N
     """``(step, path)`` of the newest checkpoint in ``output_dir``, or ``None``."""
     found = list_checkpoints(output_dir)
     return found[-1] if found else None
+
+
+def latest_checkpoint_step(output_dir: str | os.PathLike[str]) -> int | None:
+    """The step of the newest checkpoint in ``output_dir``, or ``None`` (a step source for
+    :class:`~recis_async.hooks.GlobalStepWaiterHook`)."""
+    found = latest_checkpoint(output_dir)
+    return None if found is None else found[0]
 
 
 # ---------------------------------------------------------------------- snapshots
