@@ -25,7 +25,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, cast
 
 import anyio
 import anyio.to_thread
@@ -109,9 +109,9 @@ class _Copier:
     def copy(self, obj: Any, where: str) -> Any:
         if isinstance(obj, torch.Tensor):
             return self._tensor(obj)
-        if isinstance(obj, _PLAIN):
+        if type(obj) in _PLAIN:  # exact: numpy.float64 is a float but not loadable
             return obj
-        if isinstance(obj, dict):
+        if type(obj) in (dict, OrderedDict):
             out: dict[Any, Any] = OrderedDict() if isinstance(obj, OrderedDict) else {}
             for k, v in obj.items():
                 out[k] = self.copy(v, f"{where}[{k!r}]")
@@ -119,7 +119,7 @@ class _Copier:
             if metadata is not None:
                 out._metadata = copy.deepcopy(metadata)  # type: ignore[attr-defined]
             return out
-        if type(obj) in (list, tuple):
+        if type(obj) in (list, tuple, torch.Size):
             return type(obj)(self.copy(v, f"{where}[{i}]") for i, v in enumerate(obj))
         raise TypeError(
             f"CheckpointSaverHook: {where} is a {type(obj).__module__}.{type(obj).__qualname__}; "
@@ -256,19 +256,22 @@ class _CheckpointWriter:
         tmp = os.path.join(
             self.output_dir, f"{_TMP_PREFIX}{snap.step}{_TMP_MARK}{uuid.uuid4().hex[:12]}"
         )
+        sink: _ErrorKeepingFile | None = None
         try:
             with open(tmp, "wb") as f:
-                torch.save(snap.payload, f)
+                sink = _ErrorKeepingFile(f)
+                torch.save(snap.payload, cast(BinaryIO, sink))  # duck-typed file
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, snap.path)
         except BaseException as exc:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+            cause = exc if sink is None or sink.error is None else sink.error
             raise RuntimeError(
                 f"cannot write the checkpoint of step {snap.step} to {snap.path}: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
+                f"{type(cause).__name__}: {cause}"
+            ) from cause
         _fsync_dir(self.output_dir)
         self._prune()
 
@@ -283,6 +286,25 @@ class _CheckpointWriter:
                 pass
             except OSError as exc:
                 logger.warning("could not remove old checkpoint %s: %s", path, exc)
+
+
+class _ErrorKeepingFile:
+    """File wrapper for ``torch.save``: torch reports a failed write as an opaque
+    "unexpected pos" error, so the real ``OSError`` (disk full, file too large) is kept."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def flush(self) -> None:
+        self._f.flush()
 
 
 def _fsync_dir(path: str) -> None:
