@@ -261,9 +261,9 @@ async def test_end_saves_the_last_step_unless_the_run_failed(tmp_path: Path) -> 
 async def test_save_secs(tmp_path: Path) -> None:
     model, opt, sched = parts()
     async with HookBus() as bus:
-        bus.add_hook(CheckpointSaverHook(tmp_path, save_secs=0.05, save_end=False, model=model))
+        bus.add_hook(CheckpointSaverHook(tmp_path, save_secs=0.5, save_end=False, model=model))
         await train_steps(bus, model, opt, sched, data(2))  # too soon for a save
-        await anyio.sleep(0.06)
+        await anyio.sleep(0.6)
         await train_steps(bus, model, opt, sched, data(2), first=2)  # step 3 saves
     assert [s for s, _ in list_checkpoints(tmp_path)] == [3]
 
