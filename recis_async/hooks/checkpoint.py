@@ -21,6 +21,8 @@ import copy
 import logging
 import os
 import re
+import sys
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -91,24 +93,35 @@ def latest_checkpoint_step(output_dir: str | os.PathLike[str]) -> int | None:
 
 
 # ---------------------------------------------------------------------- snapshots
+Buffers = dict[str, torch.Tensor]  # a snapshot's CPU tensors by their place in the state
+
+
 class _Snapshot(NamedTuple):
     step: int
     path: str
     payload: dict[str, Any]
     nbytes: int
+    buffers: Buffers
 
 
 class _Copier:
-    """Deep copy of a state tree with tensors cloned to CPU (shared storage stays shared),
-    refusing what ``torch.load(weights_only=True)`` could not read back."""
+    """Deep copy of a state tree with tensors copied to CPU (shared storage stays shared),
+    refusing what ``torch.load(weights_only=True)`` could not read back.
 
-    def __init__(self) -> None:
+    ``spare`` holds the CPU tensors of a snapshot that is no longer needed (written or
+    superseded): a tensor of the same place, shape and dtype is overwritten in place instead
+    of allocated, which spares the step the page faults of fresh memory.
+    """
+
+    def __init__(self, spare: Buffers | None = None) -> None:
         self.nbytes = 0
+        self.buffers: Buffers = {}
+        self._spare = spare or {}
         self._tensors: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def copy(self, obj: Any, where: str) -> Any:
         if isinstance(obj, torch.Tensor):
-            return self._tensor(obj)
+            return self._tensor(obj, where)
         if type(obj) in _PLAIN:  # exact: numpy.float64 is a float but not loadable
             return obj
         if type(obj) in (dict, OrderedDict):
@@ -127,8 +140,10 @@ class _Copier:
             "(what torch.load(weights_only=True) reads back)"
         )
 
-    def _tensor(self, t: torch.Tensor) -> torch.Tensor:
+    def _tensor(self, t: torch.Tensor, where: str) -> torch.Tensor:
         t = t.detach()
+        if t.layout != torch.strided:  # sparse and friends: a plain copy, no reuse
+            return t.to("cpu", copy=True)
         key = (
             t.untyped_storage().data_ptr(),
             t.device,
@@ -138,9 +153,15 @@ class _Copier:
             t.stride(),
         )
         done = self._tensors.get(key)
-        if done is None:
-            done = self._tensors[key] = t.to("cpu", copy=True)
-            self.nbytes += done.numel() * done.element_size()
+        if done is not None:  # the same view seen under another name (tied weights)
+            return done
+        spare = self._spare.pop(where, None)
+        if spare is not None and spare.shape == t.shape and spare.dtype == t.dtype:
+            done = spare.copy_(t)
+        else:
+            done = t.to("cpu", copy=True)
+        self._tensors[key] = self.buffers[where] = done
+        self.nbytes += done.numel() * done.element_size()
         return done
 
 
@@ -148,10 +169,15 @@ class _Copier:
 class _CheckpointWriter:
     """Background service: writes one snapshot at a time, at most one more waits."""
 
-    def __init__(self, output_dir: str, max_to_keep: int | None) -> None:
+    def __init__(
+        self, output_dir: str, max_to_keep: int | None, nice: int | None, reuse: bool
+    ) -> None:
         self.name = f"CheckpointSaverHook({output_dir})"
         self.output_dir = output_dir
         self.max_to_keep = max_to_keep
+        self.nice = nice
+        self.reuse = reuse
+        self._spare: Buffers | None = None
         self.failure: BaseException | None = None
         self.finished = anyio.Event()
         self._pending: _Snapshot | None = None
@@ -177,6 +203,7 @@ class _CheckpointWriter:
             raise RuntimeError(f"checkpoint of step {snap.step} not taken: the writer is closed")
         if self._pending is not None:
             self._superseded += 1
+            self._keep_spare(self._pending.buffers)
             logger.warning(
                 "checkpoint of step %d superseded by step %d before it was written "
                 "(writes are slower than save_steps/save_secs)",
@@ -187,6 +214,15 @@ class _CheckpointWriter:
         if self._idle.is_set():
             self._idle = anyio.Event()
         self._wake.set()
+
+    def take_spare(self) -> Buffers | None:
+        """CPU tensors of a snapshot no longer needed, for the next one to overwrite."""
+        spare, self._spare = self._spare, None
+        return spare
+
+    def _keep_spare(self, buffers: Buffers) -> None:
+        if self.reuse:
+            self._spare = buffers
 
     async def wait_idle(self) -> None:
         """Return once nothing is queued or being written; raise if the writer failed."""
@@ -208,9 +244,10 @@ class _CheckpointWriter:
                 self._pending = None
                 self._writing = snap
                 t = time.perf_counter()
-                await anyio.to_thread.run_sync(self._write, snap, abandon_on_cancel=True)
+                await anyio.to_thread.run_sync(self._write_apart, snap, abandon_on_cancel=True)
                 self._last_write_s = time.perf_counter() - t
                 self._writing = None
+                self._keep_spare(snap.buffers)
                 self._written += 1
                 self._bytes_written += snap.nbytes
                 self._last_step = snap.step
@@ -251,7 +288,28 @@ class _CheckpointWriter:
             "pending_step": None if self._pending is None else self._pending.step,
         }
 
-    # -- worker thread
+    # -- worker threads
+    def _write_apart(self, snap: _Snapshot) -> None:
+        """Write from a thread of our own, lowered in priority: training keeps the CPU when
+        cores are scarce, and no pooled anyio thread is left reniced (that cannot be undone
+        without privileges).  The pool thread only waits for it."""
+        errors: list[BaseException] = []
+
+        def target() -> None:
+            try:
+                _lower_priority(self.nice)
+                self._write(snap)
+            except BaseException as exc:
+                errors.append(exc)
+
+        # daemon: a write abandoned at the close deadline must not hold the process open;
+        # the temporary file it may leave is removed by the next saver on this directory
+        thread = threading.Thread(target=target, name="recis-checkpoint-writer", daemon=True)
+        thread.start()
+        thread.join()
+        if errors:
+            raise errors[0]
+
     def _write(self, snap: _Snapshot) -> None:
         tmp = os.path.join(
             self.output_dir, f"{_TMP_PREFIX}{snap.step}{_TMP_MARK}{uuid.uuid4().hex[:12]}"
@@ -307,6 +365,18 @@ class _ErrorKeepingFile:
         self._f.flush()
 
 
+def _lower_priority(nice: int | None) -> None:
+    """Renice the calling thread by ``nice`` (Linux: a thread is a schedulable task; elsewhere
+    ``setpriority`` would renice the whole process, so it is left alone)."""
+    if not nice or not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError as exc:
+        logger.debug("could not renice the checkpoint writer: %s", exc)
+
+
 def _fsync_dir(path: str) -> None:
     """Make the rename durable (POSIX); a no-op where directories cannot be opened."""
     try:
@@ -351,6 +421,16 @@ class CheckpointSaverHook(Hook):
     ``End`` happens while the bus closes, when no event can be published, after every other
     ``End`` subscriber (the hook runs at ``Priority.VERY_LOW``).
 
+    Host memory: at most one snapshot is being written and one waits; with ``reuse_buffers``
+    the CPU tensors of the last snapshot written (or superseded) are kept and overwritten in
+    place by the next one, which makes the copy on the step several times cheaper than fresh
+    allocations, at the price of holding one snapshot's worth of host memory between saves
+    (three at most).
+
+    The write runs in a thread of its own, on Linux reniced by ``writer_nice`` (``None``: not
+    reniced), so that where cores are scarce the write yields the CPU to training rather than
+    stretching the steps it overlaps.
+
     A write that fails (unwritable directory, full disk) leaves no file behind and raises
     :class:`~recis_async.HookError` at the next ``publish`` or at close.  Added on rank 0 only:
     in data-parallel training every rank holds the same weights.  One saver per directory:
@@ -371,6 +451,8 @@ class CheckpointSaverHook(Hook):
         model: torch.nn.Module | None = None,
         optimizer: Any = None,
         lr_scheduler: Any = None,
+        writer_nice: int | None = 10,
+        reuse_buffers: bool = True,
     ) -> None:
         owner = type(self).__name__
         if save_steps is not None:
@@ -391,6 +473,14 @@ class CheckpointSaverHook(Hook):
             )
         if max_to_keep is not None:
             positive_int(owner, "max_to_keep", max_to_keep)
+        if writer_nice is not None and (
+            isinstance(writer_nice, bool)
+            or not isinstance(writer_nice, int)
+            or not 0 <= writer_nice <= 19
+        ):
+            raise ValueError(
+                f"{owner}(writer_nice=...): expected an int in 0..19 or None, got {writer_nice!r}"
+            )
         _has_state(owner, "model", model, optional=False)
         _has_state(owner, "optimizer", optimizer, optional=True)
         _has_state(owner, "lr_scheduler", lr_scheduler, optional=True)
@@ -403,6 +493,10 @@ class CheckpointSaverHook(Hook):
         self.model = model
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
+        self.writer_nice = writer_nice
+        if not isinstance(reuse_buffers, bool):
+            raise TypeError(f"{owner}(reuse_buffers=...): expected a bool, got {reuse_buffers!r}")
+        self.reuse_buffers = reuse_buffers
         self._bus: HookBus | None = None
         self._writer: _CheckpointWriter | None = None
         self._last_step: int | None = None  # completed steps at the latest training AfterStep
@@ -413,7 +507,9 @@ class CheckpointSaverHook(Hook):
         if self._writer is not None and not self._writer.finished.is_set():
             raise RuntimeError(f"{self!r} is already attached to a bus that is still open")
         self._bus = bus
-        self._writer = _CheckpointWriter(self.output_dir, self.max_to_keep)
+        self._writer = _CheckpointWriter(
+            self.output_dir, self.max_to_keep, self.writer_nice, self.reuse_buffers
+        )
         self._last_step = self._last_saved = None
         self._last_time = time.monotonic()
         bus.start_service(self._writer)
@@ -461,7 +557,7 @@ class CheckpointSaverHook(Hook):
                 hooks[hook.state_key] = hook.state_dict()
             except Exception as exc:
                 raise RuntimeError(f"{hook!r}.state_dict() failed: {exc}") from exc
-        copier = _Copier()
+        copier = _Copier(self._writer.take_spare())
         payload = {
             "format": CHECKPOINT_FORMAT,
             "global_step": step,
@@ -476,7 +572,7 @@ class CheckpointSaverHook(Hook):
                 key: copier.copy(state, f"hook state {key!r}") for key, state in hooks.items()
             },
         }
-        self._writer.submit(_Snapshot(step, path, payload, copier.nbytes))
+        self._writer.submit(_Snapshot(step, path, payload, copier.nbytes, copier.buffers))
         self._last_saved = step
         self._last_time = time.monotonic()
 
