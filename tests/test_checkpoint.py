@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import resource
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -241,6 +242,57 @@ async def train_flushing(
         await saver.flush()
 
 
+async def test_every_written_file_holds_its_own_steps_state(tmp_path: Path) -> None:
+    """Snapshots overwrite the spare buffers of older ones: never one still being written."""
+    model, opt, sched = parts()
+    expected: dict[int, dict[str, torch.Tensor]] = {}
+
+    class Truth(Hook):
+        def after_step(self, event: AfterStep) -> None:
+            expected[event.global_step + 1] = {k: v.clone() for k, v in model.state_dict().items()}
+
+    async with HookBus() as bus:
+        saver = CheckpointSaverHook(tmp_path, save_steps=1, max_to_keep=None, model=model)
+        bus.add_hook(Truth())
+        bus.add_hook(saver)
+        for i, batch in enumerate(data(30)):
+            await train_steps(bus, model, opt, sched, [batch], first=i)
+            if i % 7 == 0:
+                await saver.flush()  # sometimes idle, sometimes superseding
+    found = list_checkpoints(tmp_path)
+    assert len(found) >= 5 and found[-1][0] == 30
+    for step, path in found:
+        saved = torch.load(path, weights_only=True)
+        assert saved["global_step"] == step
+        assert_same_state(saved["model"], expected[step])
+
+
+async def test_the_writer_thread_runs_reniced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_save = torch.save
+    seen: list[tuple[str, int]] = []
+
+    def recording_save(obj: Any, f: Any) -> None:
+        seen.append(
+            (
+                threading.current_thread().name,
+                os.getpriority(os.PRIO_PROCESS, threading.get_native_id()),
+            )
+        )
+        real_save(obj, f)
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", recording_save)
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    model = Net()
+    for nice, expected in ((10, min(19, base + 10)), (None, base)):
+        seen.clear()
+        async with HookBus() as bus:
+            bus.add_hook(CheckpointSaverHook(tmp_path, save_steps=1, model=model, writer_nice=nice))
+            await bus.publish(AfterStep(global_step=0))
+        assert seen == [("recis-checkpoint-writer", expected)]
+
+
 async def test_end_saves_the_last_step_unless_the_run_failed(tmp_path: Path) -> None:
     model, opt, sched = parts()
     async with HookBus() as bus:
@@ -410,6 +462,10 @@ def test_bad_constructor_input_names_the_argument(tmp_path: Path) -> None:
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
             CheckpointSaverHook(tmp_path, model=model, **kwargs)
+    with pytest.raises(ValueError, match=r"writer_nice=...\): expected an int in 0..19 or None"):
+        CheckpointSaverHook(tmp_path, save_steps=1, model=model, writer_nice=-5)
+    with pytest.raises(TypeError, match=r"reuse_buffers=...\): expected a bool, got 1"):
+        CheckpointSaverHook(tmp_path, save_steps=1, model=model, reuse_buffers=1)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"model=...\): expected an object with state_dict\(\)"):
         CheckpointSaverHook(tmp_path, save_steps=1, model=None)
     with pytest.raises(TypeError, match=r"optimizer=...\): expected .* or None, got 3"):
