@@ -187,7 +187,7 @@ class Trainer:
         data is read from its beginning again: where a stream resumes is the dataset's job.
         """
         self._require_training()
-        _check_resume(resume_from_checkpoint)
+        _check_resume("train", resume_from_checkpoint)
         async with self._session() as bus:
             await bus.publish(Start(is_train=True))
             await self._restore(bus, resume_from_checkpoint)
@@ -209,7 +209,7 @@ class Trainer:
         self._require_training()
         if self.eval_dataset is None:
             raise ValueError("Trainer.train_and_evaluate(): eval_dataset is None")
-        _check_resume(resume_from_checkpoint)
+        _check_resume("train_and_evaluate", resume_from_checkpoint)
         async with self._session() as bus:
             await bus.publish(Start(is_train=True))
             await self._restore(bus, resume_from_checkpoint)
@@ -381,10 +381,10 @@ class _At(NamedTuple):
         )
 
 
-def _check_resume(resume: object) -> None:
+def _check_resume(method: str, resume: object) -> None:
     if not isinstance(resume, bool | str | os.PathLike) or resume == "":
         raise TypeError(
-            "Trainer.train(resume_from_checkpoint=...): expected a bool or a checkpoint "
+            f"Trainer.{method}(resume_from_checkpoint=...): expected a bool or a checkpoint "
             f"directory, got {resume!r}"
         )
 

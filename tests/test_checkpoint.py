@@ -478,13 +478,25 @@ def test_bad_constructor_input_names_the_argument(tmp_path: Path) -> None:
         CheckpointSaverHook(a_file / "sub", save_steps=1, model=model)
 
 
-def test_stale_temporary_files_are_removed_at_construction(tmp_path: Path) -> None:
+async def test_stale_temporary_files_are_removed_when_added_to_a_bus(tmp_path: Path) -> None:
     stale = tmp_path / ".checkpoint-40.pt.tmp-0123456789ab"
     stale.write_bytes(b"half a checkpoint")
-    keep = tmp_path / "checkpoint-30.pt"
-    keep.write_bytes(b"x")
-    CheckpointSaverHook(tmp_path, save_steps=1, model=Net())
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint-30.pt"]
+    (tmp_path / "checkpoint-30.pt").write_bytes(b"x")
+    hook = CheckpointSaverHook(tmp_path, save_steps=1, model=Net())
+    assert stale.exists()  # other ranks construct the hook too, but never add it
+    async with HookBus() as bus:
+        bus.add_hook(hook)
+        assert sorted(os.listdir(tmp_path)) == ["checkpoint-30.pt"]
+
+
+async def test_two_savers_on_one_bus(tmp_path: Path) -> None:
+    model, opt, sched = parts()
+    async with HookBus() as bus:
+        bus.add_hook(CheckpointSaverHook(tmp_path / "often", save_steps=1, model=model))
+        bus.add_hook(CheckpointSaverHook(tmp_path / "rarely", save_steps=3, model=model))
+        await train_steps(bus, model, opt, sched, data(3))
+    assert latest_checkpoint_step(tmp_path / "often") == 3
+    assert [s for s, _ in list_checkpoints(tmp_path / "rarely")] == [3]
 
 
 # ---------------------------------------------------------------------- the Trainer

@@ -434,7 +434,7 @@ class CheckpointSaverHook(Hook):
     A write that fails (unwritable directory, full disk) leaves no file behind and raises
     :class:`~recis_async.HookError` at the next ``publish`` or at close.  Added on rank 0 only:
     in data-parallel training every rank holds the same weights.  One saver per directory:
-    unfinished temporary files found there at construction are removed.
+    unfinished temporary files found there when the hook is added to a bus are removed.
     """
 
     priority = Priority.VERY_LOW
@@ -485,7 +485,6 @@ class CheckpointSaverHook(Hook):
         _has_state(owner, "optimizer", optimizer, optional=True)
         _has_state(owner, "lr_scheduler", lr_scheduler, optional=True)
         self.output_dir = writable_dir(owner, "output_dir", output_dir)
-        _remove_stale_temporaries(self.output_dir)
         self.save_steps = save_steps
         self.save_secs = None if save_secs is None else float(save_secs)
         self.max_to_keep = max_to_keep
@@ -503,10 +502,16 @@ class CheckpointSaverHook(Hook):
         self._last_saved: int | None = None
         self._last_time = 0.0
 
+    @property
+    def state_key(self) -> str:
+        """One saver per directory may share a bus (say, frequent local + rare remote)."""
+        return f"CheckpointSaverHook:{self.output_dir}"
+
     def attach(self, bus: HookBus) -> None:
         if self._writer is not None and not self._writer.finished.is_set():
             raise RuntimeError(f"{self!r} is already attached to a bus that is still open")
         self._bus = bus
+        _remove_stale_temporaries(self.output_dir)  # on the saving rank only
         self._writer = _CheckpointWriter(
             self.output_dir, self.max_to_keep, self.writer_nice, self.reuse_buffers
         )
