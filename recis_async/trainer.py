@@ -14,14 +14,18 @@ step boundary.  ``End`` comes from the bus when it closes, once.
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import math
 import os
 from collections.abc import AsyncIterator, Iterable, Sequence, Sized
 from typing import Any, NamedTuple, Protocol, TypeVar
 
+import anyio
 import msgspec
 import torch
 
+from . import dist
 from .bus import HookBus
 from .collect import add_metric
 from .events import (
@@ -46,6 +50,11 @@ from .hooks.progress import ProgressBarHook
 
 __all__ = ["Trainer", "TrainingArguments", "WindowedDataset"]
 
+logger = logging.getLogger("recis_async.trainer")
+
+# What a rank offers at the step boundary; the maximum over ranks wins.
+_CONTINUE, _END_EPOCH, _STOP = 0, 1, 2
+
 
 def _positive(owner: str, field: str, value: object, *, optional: bool = False) -> None:
     if optional and value is None:
@@ -61,7 +70,8 @@ class TrainingArguments(msgspec.Struct, kw_only=True, frozen=True):
     ``train_steps`` caps the total number of steps (exactly that many run when the data lasts);
     ``train_epoch`` is the number of passes over the data; ``eval_steps`` caps each evaluation;
     ``save_steps`` / ``max_to_keep`` configure checkpoints into ``output_dir`` (``None`` turns
-    them off); ``log_steps`` the log interval.
+    them off); ``log_steps`` the log interval; ``collective_timeout`` bounds, in seconds, the
+    trainer's cross-rank stop agreement.
     """
 
     output_dir: str = "output_dir"
@@ -72,6 +82,7 @@ class TrainingArguments(msgspec.Struct, kw_only=True, frozen=True):
     save_steps: int | None = 1000
     max_to_keep: int = 5
     gradient_accumulation_steps: int = 1
+    collective_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.output_dir, str) or not self.output_dir:
@@ -82,6 +93,12 @@ class TrainingArguments(msgspec.Struct, kw_only=True, frozen=True):
             _positive("TrainingArguments", field, getattr(self, field))
         for field in ("train_steps", "eval_steps", "save_steps"):
             _positive("TrainingArguments", field, getattr(self, field), optional=True)
+        timeout = self.collective_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            raise ValueError(
+                f"TrainingArguments.collective_timeout: expected a positive number of seconds, "
+                f"got {timeout!r}"
+            )
 
 
 class WindowedDataset(Protocol):
@@ -163,6 +180,7 @@ class Trainer:
         self.bus = bus
         self.global_step = 0
         self.epoch = 0
+        self._distributed = False  # set when a loop starts: the process group may come later
         self.checkpoint_hook: CheckpointSaverHook | None = None
         if args.save_steps is not None and not any(
             isinstance(h, CheckpointSaverHook) for h in hooks
@@ -263,6 +281,7 @@ class Trainer:
         return self.args.train_steps is None or self.global_step < self.args.train_steps
 
     async def _train_loop(self, bus: HookBus, *, evaluate: bool) -> None:
+        self._distributed = dist.is_initialized() and dist.get_world_size() > 1
         for hook in bus.hooks:
             if isinstance(hook, ProgressBarHook) and hook.total is None:
                 hook.total = self._planned_steps()
@@ -298,24 +317,74 @@ class Trainer:
         local = 0
         while self._steps_left():
             at = _At(True, self.global_step, local, epoch)
-            await bus.publish(at(BeforeStep))
             try:
-                batch = next(it)
-            except StopIteration:
-                await bus.publish(at(OutOfData))
+                await bus.publish(at(BeforeStep))
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    await bus.publish(at(OutOfData))
+                    await self._agree(bus, _END_EPOCH, at.global_step)
+                    return
+                await bus.publish(at(AfterData))
+                loss = _check_loss(self.model(batch))
+                (loss / accumulate if accumulate > 1 else loss).backward()
+                await bus.publish(at(AfterBackward))
+                if (self.global_step + 1) % accumulate == 0:
+                    self._optimizer_step()
+                add_metric("loss", loss)
+                self.global_step += 1
+                local += 1
+                await bus.publish(at(AfterStep, samples=batch_size(batch)))
+            except Exception:
+                await self._agree_failed(bus)
+                raise
+            if await self._agree(bus, _CONTINUE, at.global_step) != _CONTINUE or bus.should_stop:
                 return
-            await bus.publish(at(AfterData))
-            loss = _check_loss(self.model(batch))
-            (loss / accumulate if accumulate > 1 else loss).backward()
-            await bus.publish(at(AfterBackward))
-            if (self.global_step + 1) % accumulate == 0:
-                self._optimizer_step()
-            add_metric("loss", loss)
-            self.global_step += 1
-            local += 1
-            await bus.publish(at(AfterStep, samples=batch_size(batch)))
-            if bus.should_stop:
-                return
+
+    async def _agree(self, bus: HookBus, mine: int, step: int) -> int:
+        """Agree with every rank at the step boundary (distributed runs only).
+
+        Each rank offers ``_CONTINUE``, ``_END_EPOCH`` (out of data) or ``_STOP`` (its bus
+        should stop); the maximum wins everywhere, so all ranks stop or end the epoch at the
+        same step and none is left waiting in a collective.  A rank that failed is named.
+        """
+        if not self._distributed:
+            return mine
+        if bus.should_stop:
+            mine = _STOP
+        decision, failed = await anyio.to_thread.run_sync(
+            functools.partial(
+                dist.all_reduce_max,
+                [mine, 0],
+                timeout=self.args.collective_timeout,
+                what=f"the stop agreement at global_step {step}",
+            )
+        )
+        if failed:
+            raise RuntimeError(
+                f"rank {failed - 1} failed in the step at global_step {step}; "
+                f"rank {bus.rank} stops with it"
+            )
+        if decision == _STOP and not bus.should_stop:
+            bus.request_stop("another rank requested a stop")
+        return decision
+
+    async def _agree_failed(self, bus: HookBus) -> None:
+        """Tell the other ranks, waiting at the step boundary, that this rank failed."""
+        if not self._distributed:
+            return
+        with anyio.CancelScope(shield=True):
+            try:
+                await anyio.to_thread.run_sync(
+                    functools.partial(
+                        dist.all_reduce_max,
+                        [_STOP, bus.rank + 1],
+                        timeout=min(self.args.collective_timeout, 30.0),
+                        what="announcing this rank's failure",
+                    )
+                )
+            except Exception as exc:  # the original error matters more
+                logger.warning("rank %s could not announce its failure: %s", bus.rank, exc)
 
     def _optimizer_step(self) -> None:
         self.optimizer.step()
