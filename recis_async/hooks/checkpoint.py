@@ -252,6 +252,10 @@ class _CheckpointWriter:
                 self._bytes_written += snap.nbytes
                 self._last_step = snap.step
         except anyio.get_cancelled_exc_class():
+            # close was cut short: too big to write synchronously; older checkpoints stand
+            lost = [s.step for s in (self._writing, self._pending) if s is not None]
+            if lost:
+                logger.error("checkpoint(s) of step %s not confirmed written: close was cancelled", lost)
             raise
         except BaseException as exc:
             self.failure = exc

@@ -43,17 +43,27 @@ class _CsvWriter:
 
     async def run(self) -> None:
         try:
-            async with self._receive:
-                async for op in self._receive:
-                    ops = [op]
-                    while True:  # take whatever else is queued: one thread hop for all of it
-                        try:
-                            ops.append(self._receive.receive_nowait())
-                        except (anyio.WouldBlock, anyio.EndOfStream):
-                            break
-                    await anyio.to_thread.run_sync(self._apply, ops)
+            async for op in self._receive:
+                await anyio.to_thread.run_sync(self._apply, [op, *self._queued()])
+        except anyio.get_cancelled_exc_class():
+            # close was cut short (a second stop signal): the queued rows are a few bytes,
+            # so write them here and now rather than lose them
+            queued = self._queued()
+            if queued:
+                self._apply(queued)
+            raise
         finally:
+            self._receive.close()
             self.finished.set()
+
+    def _queued(self) -> list[_Op]:
+        """Whatever else is queued: one thread hop writes all of it."""
+        ops: list[_Op] = []
+        while True:
+            try:
+                ops.append(self._receive.receive_nowait())
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                return ops
 
     async def aclose(self, deadline: float) -> None:
         await self.send.aclose()
