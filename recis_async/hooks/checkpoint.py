@@ -6,7 +6,7 @@ may go on mutating its tensors at once.  A background service writes the snapsho
 ``torch.save`` in a worker thread, atomically (temporary file, ``fsync``, ``os.replace``), and
 keeps the newest ``max_to_keep`` files ``checkpoint-<step>.pt``.  Memory stays bounded: one
 snapshot is written at a time and at most one more waits; a newer snapshot replaces a waiting
-one (it holds everything the older one had).
+one (it holds everything the older one had); the buffers of a finished one are reused.
 
 :func:`restore_checkpoint` loads the newest checkpoint into the model and optimizer, hands each
 hook on the bus its saved state (``load_state_dict``) and publishes ``AfterLoadCheckpoint``.
@@ -255,7 +255,7 @@ class _CheckpointWriter:
             # close was cut short: too big to write synchronously; older checkpoints stand
             lost = [s.step for s in (self._writing, self._pending) if s is not None]
             if lost:
-                logger.error("checkpoint(s) of step %s not confirmed written: close was cancelled", lost)
+                logger.error("checkpoint(s) of step %s not confirmed written: close cut", lost)
             raise
         except BaseException as exc:
             self.failure = exc
@@ -397,7 +397,11 @@ def _fsync_dir(path: str) -> None:
 
 def _remove_stale_temporaries(output_dir: str) -> None:
     """Temporary files left by a process killed mid-write."""
-    for name in os.listdir(output_dir):
+    try:
+        names = os.listdir(output_dir)
+    except OSError:
+        return  # the first write will report what is wrong with the directory
+    for name in names:
         if name.startswith(_TMP_PREFIX) and _TMP_MARK in name:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(output_dir, name))
