@@ -296,6 +296,35 @@ async def test_the_writer_thread_runs_reniced(
         assert seen == [("recis-checkpoint-writer", expected)]
 
 
+async def test_buffers_are_allocated_off_the_step_and_reused(tmp_path: Path) -> None:
+    model, opt, sched = parts()
+    params = sum(p.nbytes for p in model.parameters())
+    buffers = sum(b.nbytes for b in model.buffers())
+    steps = 4 * len(list(model.parameters()))  # Adam's float32 step counter per parameter
+    nbytes = params + buffers + 2 * params + steps  # weights, buffers, exp_avg, exp_avg_sq
+
+    def spare() -> int:
+        return int(bus.stats()["services"][f"CheckpointSaverHook({tmp_path})"]["spare_bytes"])
+
+    async with HookBus() as bus:
+        saver = CheckpointSaverHook(
+            tmp_path, save_steps=3, model=model, optimizer=opt, lr_scheduler=sched
+        )
+        bus.add_hook(saver)
+        assert spare() == 0
+        await train_flushing(bus, saver, (model, opt, sched), 1)  # no save: allocates a spare
+        assert spare() == nbytes
+        await train_steps(bus, model, opt, sched, data(2), first=1)  # step 3 overwrites it
+        assert spare() == 0
+        await saver.flush()
+        assert spare() == nbytes  # the written snapshot's buffers are the next spare
+    async with HookBus() as bus:
+        saver = CheckpointSaverHook(tmp_path, save_steps=3, model=model, reuse_buffers=False)
+        bus.add_hook(saver)
+        await train_flushing(bus, saver, (model, opt, sched), 3)
+        assert spare() == 0
+
+
 async def test_end_saves_the_last_step_unless_the_run_failed(tmp_path: Path) -> None:
     model, opt, sched = parts()
     async with HookBus() as bus:

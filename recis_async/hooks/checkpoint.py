@@ -26,8 +26,8 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, cast
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, TypeVar, cast
 
 import anyio
 import anyio.to_thread
@@ -58,6 +58,9 @@ _TMP_PREFIX = ".checkpoint-"
 _TMP_MARK = ".pt.tmp-"
 _PLAIN = (type(None), bool, int, float, str, bytes)
 _SAVE_AT_END = ("ok", "preempted")  # a failed or cancelled run may hold a broken model
+
+A = TypeVar("A")
+R = TypeVar("R")
 
 
 def checkpoint_path(output_dir: str, step: int) -> str:
@@ -94,6 +97,18 @@ def latest_checkpoint_step(output_dir: str | os.PathLike[str]) -> int | None:
 
 # ---------------------------------------------------------------------- snapshots
 Buffers = dict[str, torch.Tensor]  # a snapshot's CPU tensors by their place in the state
+
+
+def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """Identifies a view of memory: tied weights appear under several names, copied once."""
+    return (
+        t.untyped_storage().data_ptr(),
+        t.device,
+        t.dtype,
+        t.storage_offset(),
+        tuple(t.shape),
+        t.stride(),
+    )
 
 
 class _Snapshot(NamedTuple):
@@ -144,14 +159,7 @@ class _Copier:
         t = t.detach()
         if t.layout != torch.strided:  # sparse and friends: a plain copy, no reuse
             return t.to("cpu", copy=True)
-        key = (
-            t.untyped_storage().data_ptr(),
-            t.device,
-            t.dtype,
-            t.storage_offset(),
-            tuple(t.shape),
-            t.stride(),
-        )
+        key = _storage_key(t)
         done = self._tensors.get(key)
         if done is not None:  # the same view seen under another name (tied weights)
             return done
@@ -163,6 +171,30 @@ class _Copier:
         self._tensors[key] = self.buffers[where] = done
         self.nbytes += done.numel() * done.element_size()
         return done
+
+
+Layout = dict[str, tuple[torch.Size, torch.dtype]]
+
+
+def _layout(obj: Any, where: str, out: Layout, seen: set[tuple[Any, ...]]) -> None:
+    """Shapes and dtypes of the strided tensors :class:`_Copier` would copy, by place."""
+    if isinstance(obj, torch.Tensor):
+        if obj.layout == torch.strided:
+            key = _storage_key(obj)
+            if key not in seen:
+                seen.add(key)
+                out[where] = (obj.shape, obj.dtype)
+    elif type(obj) in (dict, OrderedDict):
+        for k, v in obj.items():
+            _layout(v, f"{where}[{k!r}]", out, seen)
+    elif type(obj) in (list, tuple):
+        for i, v in enumerate(obj):
+            _layout(v, f"{where}[{i}]", out, seen)
+
+
+def _allocate(layout: Layout) -> Buffers:
+    """Host buffers for a snapshot, their pages touched now rather than on the step."""
+    return {where: torch.zeros(shape, dtype=dtype) for where, (shape, dtype) in layout.items()}
 
 
 # ---------------------------------------------------------------------- the writer
@@ -178,6 +210,7 @@ class _CheckpointWriter:
         self.nice = nice
         self.reuse = reuse
         self._spare: Buffers | None = None
+        self._layout: Layout | None = None  # buffers to allocate ahead of the first snapshot
         self.failure: BaseException | None = None
         self.finished = anyio.Event()
         self._pending: _Snapshot | None = None
@@ -224,8 +257,17 @@ class _CheckpointWriter:
         if self.reuse:
             self._spare = buffers
 
+    def prewarm(self, layout: Layout) -> None:
+        """Allocate a spare set of buffers off the step while idle, so that even the first
+        snapshot overwrites memory instead of faulting fresh pages in."""
+        if self.reuse and self._spare is None and not self._closing:
+            self._layout = layout
+            if self._idle.is_set():
+                self._idle = anyio.Event()
+            self._wake.set()
+
     async def wait_idle(self) -> None:
-        """Return once nothing is queued or being written; raise if the writer failed."""
+        """Return once nothing is queued, written or allocated; raise if the writer failed."""
         await self._idle.wait()
         if self.failure is not None:
             raise RuntimeError(f"checkpoint writer failed: {self.failure}") from self.failure
@@ -234,6 +276,14 @@ class _CheckpointWriter:
         try:
             while True:
                 snap = self._pending
+                if snap is None and self._layout is not None and not self._closing:
+                    layout, self._layout = self._layout, None
+                    buffers = await anyio.to_thread.run_sync(
+                        self._apart, _allocate, layout, abandon_on_cancel=True
+                    )
+                    if self._spare is None:
+                        self._spare = buffers
+                    continue
                 if snap is None:
                     self._idle.set()
                     if self._closing:
@@ -244,7 +294,9 @@ class _CheckpointWriter:
                 self._pending = None
                 self._writing = snap
                 t = time.perf_counter()
-                await anyio.to_thread.run_sync(self._write_apart, snap, abandon_on_cancel=True)
+                await anyio.to_thread.run_sync(
+                    self._apart, self._write, snap, abandon_on_cancel=True
+                )
                 self._last_write_s = time.perf_counter() - t
                 self._writing = None
                 self._keep_spare(snap.buffers)
@@ -290,19 +342,21 @@ class _CheckpointWriter:
             "last_write_s": self._last_write_s,
             "writing_step": None if self._writing is None else self._writing.step,
             "pending_step": None if self._pending is None else self._pending.step,
+            "spare_bytes": sum(t.numel() * t.element_size() for t in (self._spare or {}).values()),
         }
 
     # -- worker threads
-    def _write_apart(self, snap: _Snapshot) -> None:
-        """Write from a thread of our own, lowered in priority: training keeps the CPU when
-        cores are scarce, and no pooled anyio thread is left reniced (that cannot be undone
-        without privileges).  The pool thread only waits for it."""
+    def _apart(self, fn: Callable[[A], R], arg: A) -> R:
+        """Run ``fn(arg)`` in a thread of our own, lowered in priority: training keeps the CPU
+        when cores are scarce, and no pooled anyio thread is left reniced (that cannot be
+        undone without privileges).  The calling pool thread only waits for it."""
+        results: list[R] = []
         errors: list[BaseException] = []
 
         def target() -> None:
             try:
                 _lower_priority(self.nice)
-                self._write(snap)
+                results.append(fn(arg))
             except BaseException as exc:
                 errors.append(exc)
 
@@ -313,6 +367,7 @@ class _CheckpointWriter:
         thread.join()
         if errors:
             raise errors[0]
+        return results[0]
 
     def _write(self, snap: _Snapshot) -> None:
         tmp = os.path.join(
@@ -509,6 +564,7 @@ class CheckpointSaverHook(Hook):
         self._last_step: int | None = None  # completed steps at the latest training AfterStep
         self._last_saved: int | None = None
         self._last_time = 0.0
+        self._prewarmed = False
 
     @property
     def state_key(self) -> str:
@@ -525,6 +581,7 @@ class CheckpointSaverHook(Hook):
         )
         self._last_step = self._last_saved = None
         self._last_time = time.monotonic()
+        self._prewarmed = False
         bus.start_service(self._writer)
 
     async def after_step(self, event: AfterStep) -> None:
@@ -542,6 +599,13 @@ class CheckpointSaverHook(Hook):
             path = checkpoint_path(self.output_dir, step)
             await bus.publish(BeforeSaveCheckpoint(global_step=step, path=path))
             self._take(bus, step, path)
+        elif not self._prewarmed and self.reuse_buffers and self._writer is not None:
+            self._prewarmed = True  # the optimizer state exists from the first step on
+            layout: Layout = {}
+            seen: set[tuple[Any, ...]] = set()
+            for where, state in self._own_states():
+                _layout(state, where, layout, seen)
+            self._writer.prewarm(layout)
 
     def end(self, event: End) -> None:
         step = self._last_step
@@ -571,16 +635,15 @@ class CheckpointSaverHook(Hook):
             except Exception as exc:
                 raise RuntimeError(f"{hook!r}.state_dict() failed: {exc}") from exc
         copier = _Copier(self._writer.take_spare())
+        own = {
+            where.split(".", 1)[0]: copier.copy(state, where) for where, state in self._own_states()
+        }
         payload = {
             "format": CHECKPOINT_FORMAT,
             "global_step": step,
-            "model": copier.copy(self.model.state_dict(), "model.state_dict()"),
-            "optimizer": None
-            if self.optimizer is None
-            else copier.copy(self.optimizer.state_dict(), "optimizer.state_dict()"),
-            "lr_scheduler": None
-            if self.lr_scheduler is None
-            else copier.copy(self.lr_scheduler.state_dict(), "lr_scheduler.state_dict()"),
+            "model": own["model"],
+            "optimizer": own.get("optimizer"),
+            "lr_scheduler": own.get("lr_scheduler"),
             "hooks": {
                 key: copier.copy(state, f"hook state {key!r}") for key, state in hooks.items()
             },
@@ -595,6 +658,15 @@ class CheckpointSaverHook(Hook):
         if self._writer is None:
             raise RuntimeError(f"{self!r} is not attached to a bus: bus.add_hook(hook) first")
         await self._writer.wait_idle()
+
+    def _own_states(self) -> list[tuple[str, Any]]:
+        """``(place, state_dict)`` of the model, optimizer and LR scheduler given."""
+        owners: list[tuple[str, Any]] = [
+            ("model.state_dict()", self.model),
+            ("optimizer.state_dict()", self.optimizer),
+            ("lr_scheduler.state_dict()", self.lr_scheduler),
+        ]
+        return [(where, obj.state_dict()) for where, obj in owners if obj is not None]
 
     def _require_bus(self) -> HookBus:
         if self._bus is None:
