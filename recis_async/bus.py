@@ -615,7 +615,7 @@ class HookBus:
         A failing ``on_error="raise"`` subscriber raises :class:`HookError` here, as does a
         background service that failed since the last publish.
         """
-        if self._state != "open":
+        if self._state != "open" and self._state != "closing":  # End handlers may publish
             raise RuntimeError(
                 f"publish(): the bus is {self._state}; publish inside `async with HookBus()`"
             )

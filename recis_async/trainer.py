@@ -192,6 +192,7 @@ class Trainer:
                 model=model,
                 optimizer=self.optimizer,
                 lr_scheduler=self.lr_scheduler,
+                barrier_timeout=args.collective_timeout,
             )
 
     # ------------------------------------------------------------------ public entry points

@@ -608,3 +608,18 @@ async def test_trainer_keeps_a_user_checkpoint_hook(tmp_path: Path) -> None:
     await trainer.train()
     assert [s for s, _ in list_checkpoints(tmp_path / "own")] == [3]
     assert not (tmp_path / "args").exists()
+
+
+async def test_the_save_at_end_is_announced_too(tmp_path: Path) -> None:
+    model, opt, sched = parts()
+    seen = Seen()
+    async with HookBus() as bus:
+        bus.add_hook(seen)
+        bus.add_hook(CheckpointSaverHook(tmp_path, save_steps=3, model=model, optimizer=opt))
+        await train_steps(bus, model, opt, sched, data(4))
+    assert [(e.global_step, type(e).__name__) for e in seen.events] == [
+        (3, "BeforeSaveCheckpoint"),
+        (4, "BeforeSaveCheckpoint"),
+    ]
+    # step 3's snapshot may have been superseded by step 4's before its write began
+    assert [step for step, _ in list_checkpoints(tmp_path)][-1] == 4

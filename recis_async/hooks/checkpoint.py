@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import os
 import re
@@ -33,6 +34,7 @@ import anyio
 import anyio.to_thread
 import torch
 
+from .. import dist
 from ..events import AfterLoadCheckpoint, AfterStep, BeforeSaveCheckpoint, End
 from ..hook import Hook
 from ..priority import Priority
@@ -481,8 +483,7 @@ class CheckpointSaverHook(Hook):
     after the previous save (at most one of the two), and ``End`` when ``save_end`` and the run
     ended ``ok`` or ``preempted`` with steps not yet saved.  At a save point during the run it
     publishes ``BeforeSaveCheckpoint``, then reads every hook's ``state_dict()``; the save at
-    ``End`` happens while the bus closes, when no event can be published, after every other
-    ``End`` subscriber (the hook runs at ``Priority.VERY_LOW``).
+    ``End`` runs after every other ``End`` subscriber (the hook runs at ``Priority.VERY_LOW``).
 
     Host memory: at most one snapshot is being written and one waits; with ``reuse_buffers``
     the CPU tensors of the last snapshot written (or superseded) are kept and overwritten in
@@ -495,13 +496,17 @@ class CheckpointSaverHook(Hook):
     stretching the steps it overlaps.
 
     A write that fails (unwritable directory, full disk) leaves no file behind and raises
-    :class:`~recis_async.HookError` at the next ``publish`` or at close.  Added on rank 0 only:
-    in data-parallel training every rank holds the same weights.  One saver per directory:
-    unfinished temporary files found there when the hook is added to a bus are removed.
+    :class:`~recis_async.HookError` at the next ``publish`` or at close.
+
+    Distributed runs: add the saver on every rank.  At each save point all ranks meet at a
+    barrier (``barrier_timeout`` seconds at most, the error naming the rank), then rank 0
+    alone snapshots and writes: in data-parallel training every rank holds the same weights,
+    and the barrier guarantees every rank finished the step being saved.  One saver per
+    directory: unfinished temporary files found there when the hook is added to a bus are
+    removed (on rank 0).
     """
 
     priority = Priority.VERY_LOW
-    rank_zero_only = True
 
     def __init__(
         self,
@@ -516,8 +521,10 @@ class CheckpointSaverHook(Hook):
         lr_scheduler: Any = None,
         writer_nice: int | None = 10,
         reuse_buffers: bool = True,
+        barrier_timeout: float = 300.0,
     ) -> None:
         owner = type(self).__name__
+        positive_number(owner, "barrier_timeout", barrier_timeout)
         if save_steps is not None:
             positive_int(owner, "save_steps", save_steps)
         if save_secs is not None:
@@ -559,6 +566,7 @@ class CheckpointSaverHook(Hook):
         if not isinstance(reuse_buffers, bool):
             raise TypeError(f"{owner}(reuse_buffers=...): expected a bool, got {reuse_buffers!r}")
         self.reuse_buffers = reuse_buffers
+        self.barrier_timeout = float(barrier_timeout)
         self._bus: HookBus | None = None
         self._writer: _CheckpointWriter | None = None
         self._last_step: int | None = None  # completed steps at the latest training AfterStep
@@ -575,13 +583,15 @@ class CheckpointSaverHook(Hook):
         if self._writer is not None and not self._writer.finished.is_set():
             raise RuntimeError(f"{self!r} is already attached to a bus that is still open")
         self._bus = bus
-        _remove_stale_temporaries(self.output_dir)  # on the saving rank only
-        self._writer = _CheckpointWriter(
-            self.output_dir, self.max_to_keep, self.writer_nice, self.reuse_buffers
-        )
         self._last_step = self._last_saved = None
         self._last_time = time.monotonic()
         self._prewarmed = False
+        if bus.rank != 0:
+            return  # other ranks only meet rank 0 at the barrier of each save
+        _remove_stale_temporaries(self.output_dir)
+        self._writer = _CheckpointWriter(
+            self.output_dir, self.max_to_keep, self.writer_nice, self.reuse_buffers
+        )
         bus.start_service(self._writer)
 
     async def after_step(self, event: AfterStep) -> None:
@@ -595,10 +605,7 @@ class CheckpointSaverHook(Hook):
         else:
             due = False
         if due and step != self._last_saved:
-            bus = self._require_bus()
-            path = checkpoint_path(self.output_dir, step)
-            await bus.publish(BeforeSaveCheckpoint(global_step=step, path=path))
-            self._take(bus, step, path)
+            await self._save(step)
         elif not self._prewarmed and self.reuse_buffers and self._writer is not None:
             self._prewarmed = True  # the optimizer state exists from the first step on
             layout: Layout = {}
@@ -607,7 +614,7 @@ class CheckpointSaverHook(Hook):
                 _layout(state, where, layout, seen)
             self._writer.prewarm(layout)
 
-    def end(self, event: End) -> None:
+    async def end(self, event: End) -> None:
         step = self._last_step
         if not self.save_end or step is None or step == self._last_saved:
             return
@@ -618,7 +625,26 @@ class CheckpointSaverHook(Hook):
         if writer is not None and writer.failure is not None:
             logger.error("no checkpoint at End (step %d): an earlier write failed", step)
             return
-        self._take(self._require_bus(), step, checkpoint_path(self.output_dir, step))
+        await self._save(step)
+
+    async def _save(self, step: int) -> None:
+        """Barrier with the other ranks, then (rank 0) publish ``BeforeSaveCheckpoint`` and
+        take the snapshot."""
+        bus = self._require_bus()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            await anyio.to_thread.run_sync(
+                functools.partial(
+                    dist.barrier,
+                    timeout=self.barrier_timeout,
+                    what=f"the barrier before checkpoint {step}",
+                )
+            )
+        if self._writer is None:  # not rank 0
+            self._last_saved = step
+            return
+        path = checkpoint_path(self.output_dir, step)
+        await bus.publish(BeforeSaveCheckpoint(global_step=step, path=path))
+        self._take(bus, step, path)
 
     def after_load_checkpoint(self, event: AfterLoadCheckpoint) -> None:
         self._last_saved = event.global_step  # that state is on disk already
