@@ -426,6 +426,7 @@ class HookBus:
         priority = priority_value(hook.priority, field=f"{type(hook).__name__}.priority")
         on_error = _check_on_error(hook.on_error, f"{type(hook).__name__}.on_error")
         cls = type(hook)
+        added: list[Subscription] = []
         for event_type in _event_types():
             name = method_name(event_type)
             if name in RESERVED_NAMES:
@@ -433,7 +434,7 @@ class HookBus:
             impl = getattr(cls, name, None)
             if impl is None or impl is getattr(Hook, name, None) or not callable(impl):
                 continue
-            self._add(
+            sub = self._add(
                 event_type,
                 getattr(hook, name),
                 f"{cls.__name__}.{name}",
@@ -444,8 +445,17 @@ class HookBus:
                 None,
                 on_error,
             )
+            added.append(sub)
         self._hooks.append(hook)
-        hook.attach(self)
+        try:
+            hook.attach(self)
+        except BaseException:
+            # A hook that failed to attach is not half-added (services it already started
+            # stay: close drains them like any other).
+            for sub in added:
+                sub.remove()
+            self._hooks.remove(hook)
+            raise
 
     def start_service(self, service: Service) -> None:
         """Run ``service`` in the bus's task group until close (started at enter if not open)."""
@@ -605,7 +615,7 @@ class HookBus:
         A failing ``on_error="raise"`` subscriber raises :class:`HookError` here, as does a
         background service that failed since the last publish.
         """
-        if self._state != "open":
+        if self._state != "open" and self._state != "closing":  # End handlers may publish
             raise RuntimeError(
                 f"publish(): the bus is {self._state}; publish inside `async with HookBus()`"
             )

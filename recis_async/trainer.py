@@ -17,7 +17,8 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import AsyncIterator, Iterable, Sequence
+import os
+from collections.abc import AsyncIterator, Iterable, Sequence, Sized
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 import anyio
@@ -44,6 +45,8 @@ from .events import (
     WindowMode,
 )
 from .hook import Hook
+from .hooks.checkpoint import CheckpointSaverHook, restore_checkpoint
+from .hooks.progress import ProgressBarHook
 
 __all__ = ["Trainer", "TrainingArguments", "WindowedDataset"]
 
@@ -66,8 +69,9 @@ class TrainingArguments(msgspec.Struct, kw_only=True, frozen=True):
 
     ``train_steps`` caps the total number of steps (exactly that many run when the data lasts);
     ``train_epoch`` is the number of passes over the data; ``eval_steps`` caps each evaluation;
-    ``save_steps`` / ``max_to_keep`` configure checkpoints; ``log_steps`` the log interval;
-    ``collective_timeout`` bounds, in seconds, the trainer's cross-rank stop agreement.
+    ``save_steps`` / ``max_to_keep`` configure checkpoints into ``output_dir`` (``None`` turns
+    them off); ``log_steps`` the log interval; ``collective_timeout`` bounds, in seconds, the
+    trainer's cross-rank stop agreement.
     """
 
     output_dir: str = "output_dir"
@@ -126,6 +130,11 @@ class Trainer:
     ``(optimizer, lr_scheduler)``; either may be ``None`` (no optimizer: evaluation only).
     Without ``bus`` each of :meth:`train`, :meth:`evaluate`, :meth:`train_and_evaluate` opens
     and closes its own :class:`HookBus` with ``hooks`` added.
+
+    When ``args.save_steps`` is set and ``hooks`` hold no :class:`CheckpointSaverHook`, the
+    trainer adds one (``checkpoint_hook``) saving its model, optimizer and LR scheduler into
+    ``args.output_dir`` every ``save_steps`` steps and at the end, keeping ``max_to_keep``.
+    A :class:`ProgressBarHook` without a ``total`` gets the planned number of steps.
     """
 
     def __init__(
@@ -172,13 +181,35 @@ class Trainer:
         self.global_step = 0
         self.epoch = 0
         self._distributed = False  # set when a loop starts: the process group may come later
+        self.checkpoint_hook: CheckpointSaverHook | None = None
+        if args.save_steps is not None and not any(
+            isinstance(h, CheckpointSaverHook) for h in hooks
+        ):
+            self.checkpoint_hook = CheckpointSaverHook(
+                args.output_dir,
+                save_steps=args.save_steps,
+                max_to_keep=args.max_to_keep,
+                model=model,
+                optimizer=self.optimizer,
+                lr_scheduler=self.lr_scheduler,
+                barrier_timeout=args.collective_timeout,
+            )
 
     # ------------------------------------------------------------------ public entry points
-    async def train(self) -> None:
-        """Train for ``train_epoch`` passes or ``train_steps`` steps, whichever ends first."""
+    async def train(self, resume_from_checkpoint: bool | str | os.PathLike[str] = False) -> None:
+        """Train for ``train_epoch`` passes or ``train_steps`` steps, whichever ends first.
+
+        ``resume_from_checkpoint``: ``True`` restores the newest checkpoint of
+        ``args.output_dir`` (a path: of that directory) after ``Start``: model, optimizer,
+        LR scheduler and hook states, then ``global_step`` continues from it (``train_steps``
+        counts the steps done before).  Without a checkpoint the run starts from scratch.  The
+        data is read from its beginning again: where a stream resumes is the dataset's job.
+        """
         self._require_training()
+        _check_resume("train", resume_from_checkpoint)
         async with self._session() as bus:
             await bus.publish(Start(is_train=True))
+            await self._restore(bus, resume_from_checkpoint)
             await self._train_loop(bus, evaluate=False)
 
     async def evaluate(self) -> dict[str, float]:
@@ -189,13 +220,18 @@ class Trainer:
             await bus.publish(Start(is_train=False))
             return await self._evaluate(bus)
 
-    async def train_and_evaluate(self) -> None:
-        """Train, evaluating after every epoch (after every window for windowed data)."""
+    async def train_and_evaluate(
+        self, resume_from_checkpoint: bool | str | os.PathLike[str] = False
+    ) -> None:
+        """Train, evaluating after every epoch (after every window for windowed data);
+        ``resume_from_checkpoint`` as in :meth:`train`."""
         self._require_training()
         if self.eval_dataset is None:
             raise ValueError("Trainer.train_and_evaluate(): eval_dataset is None")
+        _check_resume("train_and_evaluate", resume_from_checkpoint)
         async with self._session() as bus:
             await bus.publish(Start(is_train=True))
+            await self._restore(bus, resume_from_checkpoint)
             await self._train_loop(bus, evaluate=True)
 
     # ------------------------------------------------------------------ the loops
@@ -207,22 +243,49 @@ class Trainer:
 
     @contextlib.asynccontextmanager
     async def _session(self) -> AsyncIterator[HookBus]:
+        hooks = list(self.hooks)
+        if self.checkpoint_hook is not None and not any(
+            isinstance(h, CheckpointSaverHook) for h in hooks
+        ):
+            hooks.append(self.checkpoint_hook)
         if self.bus is not None:
-            for hook in self.hooks:
+            for hook in hooks:
                 if not any(h is hook for h in self.bus.hooks):
                     self.bus.add_hook(hook)
             yield self.bus
             return
         async with HookBus() as bus:
-            for hook in self.hooks:
+            for hook in hooks:
                 bus.add_hook(hook)
             yield bus
+
+    async def _restore(self, bus: HookBus, resume: bool | str | os.PathLike[str]) -> None:
+        if resume is False:
+            return
+        directory = self.args.output_dir if resume is True else resume
+        step = await restore_checkpoint(
+            bus, directory, self.model, self.optimizer, self.lr_scheduler
+        )
+        if step is not None:
+            self.global_step = step
+
+    def _planned_steps(self) -> int | None:
+        """Steps this training call will run to, when known (for progress bars)."""
+        planned = self.args.train_steps
+        data = self.train_dataset
+        if isinstance(data, Sized) and not hasattr(data, "windows"):
+            by_data = self.global_step + len(data) * self.args.train_epoch
+            planned = by_data if planned is None else min(planned, by_data)
+        return planned
 
     def _steps_left(self) -> bool:
         return self.args.train_steps is None or self.global_step < self.args.train_steps
 
     async def _train_loop(self, bus: HookBus, *, evaluate: bool) -> None:
         self._distributed = dist.is_initialized() and dist.get_world_size() > 1
+        for hook in bus.hooks:
+            if isinstance(hook, ProgressBarHook) and hook.total is None:
+                hook.total = self._planned_steps()
         data: Any = self.train_dataset
         windowed = hasattr(data, "windows")
         if windowed:
@@ -385,6 +448,14 @@ class _At(NamedTuple):
             local_step=self.local_step,
             epoch=self.epoch,
             **extra,
+        )
+
+
+def _check_resume(method: str, resume: object) -> None:
+    if not isinstance(resume, bool | str | os.PathLike) or resume == "":
+        raise TypeError(
+            f"Trainer.{method}(resume_from_checkpoint=...): expected a bool or a checkpoint "
+            f"directory, got {resume!r}"
         )
 
 
