@@ -382,7 +382,16 @@ class TraceWriter:
         try:
             await self._drain(deadline)
         finally:
-            # also when cancelled (a second stop signal): keep what was not delivered
+            # also when cancelled (a second stop signal): stop every upload, let any commit
+            # already under way end so its outcome is known, keep what was not delivered
+            self._closing = True
+            self._deadline = -math.inf
+            for scope in list(self._scopes):
+                scope.cancel()
+            with anyio.CancelScope(shield=True):
+                if self._running.is_set() and not self._finished.is_set():
+                    with anyio.move_on_after(self._commit_wait + 1.0):
+                        await self._finished.wait()
             try:
                 leftovers = [
                     self._held.get(key) or SpillEntry(batch, None)

@@ -408,3 +408,31 @@ def test_sigterm_stops_at_a_step_boundary_and_keeps_every_row(tmp_path: Path, ba
     steps = int((tmp_path / "steps.txt").read_text())
     assert steps > 20
     assert parquet_ids(tmp_path) == list(range(steps * 64))
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_close_waits_for_a_commit_under_way_then_spills_nothing_twice(
+    server: OdpsServer, tmp_path: Path
+) -> None:
+    """As on a second stop signal: close is cancelled while a commit is in flight."""
+    server.inject("commit", "slow:1.0")
+    hook = odps_hook(server, tmp_path, size_threshold=1000)  # a batch per step
+    writer = hook.writer
+    async with anyio.create_task_group() as tg:
+        async with HookBus(handle_signals=False) as bus:
+            bus.add_hook(hook)
+            await run_steps(bus, range(3))
+            with anyio.fail_after(10):
+                while server.counts("commit") == 0:
+                    await anyio.sleep(0.01)
+            with anyio.move_on_after(0.1):  # cancels writer.aclose mid-way
+                await writer.aclose(anyio.current_time() + 60)
+            tg.cancel_scope.cancel()
+    spilled = sum(read_spill(p).rows for p in (tmp_path / "spill").glob("*.arrows"))
+    assert server.counts("commit") >= 1
+    delivered = odps_ids(server)
+    assert len(delivered) + spilled == 3 * ROWS  # every row either delivered or spilled
+    assert len(set(delivered)) == len(delivered)
+    for path in (tmp_path / "spill").glob("*.arrows"):
+        replay_spill(path, OdpsSink(sink_config(server, "t", "dt=20261122")))
+    assert odps_ids(server) == list(range(3 * ROWS))  # and never both
