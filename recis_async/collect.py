@@ -98,7 +98,11 @@ def add_to_trace(name: str, value: Any) -> None:
     elif isinstance(value, np.ndarray):
         array = value.copy()
     elif isinstance(value, list):
-        array = np.asarray(value)
+        try:
+            array = np.asarray(value)
+        except ValueError:  # ragged rows, e.g. for an array<...> column
+            array = np.empty(len(value), dtype=object)
+            array[:] = [np.asarray(row) for row in value]
     else:
         raise ValueError(
             f"add_to_trace({name!r}): expected a torch.Tensor, numpy.ndarray or list, "
@@ -108,6 +112,7 @@ def add_to_trace(name: str, value: Any) -> None:
         raise ValueError(
             f"add_to_trace({name!r}): expected one entry per row (1-D or 2-D), got a scalar"
         )
+    array.setflags(write=False)  # ours alone: hooks may keep it without another copy
     collector.trace[name] = array
 
 

@@ -116,3 +116,16 @@ async def test_switching_between_train_and_eval_drops_the_other_kinds_values() -
         add_metric("next", 3.0)
         await bus.publish(AfterStep(is_train=False))
     assert seen == [(True, {}), (False, {"eval_loss": 2.0}), (False, {"next": 3.0})]
+
+
+async def test_trace_values_are_private_read_only_copies_and_ragged_lists_work() -> None:
+    seen: list[AfterStep] = []
+    async with HookBus() as bus:
+        bus.subscribe(AfterStep, seen.append)
+        source = np.arange(3)
+        add_to_trace("ids", source)
+        add_to_trace("tags", [[1, 2], [3], []])  # ragged: one array per row
+        await bus.publish(AfterStep())
+    ids = seen[0].trace["ids"]
+    assert not ids.flags.writeable and not np.shares_memory(ids, source)
+    assert [row.tolist() for row in seen[0].trace["tags"]] == [[1, 2], [3], []]
