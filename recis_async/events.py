@@ -14,26 +14,27 @@ from typing import Any, Literal
 import msgspec
 
 __all__ = [
-    "Event",
-    "StepEvent",
-    "Start",
-    "WindowMode",
-    "BeforeEpoch",
-    "BeforeWindow",
-    "BeforeStep",
-    "AfterData",
+    "LIFECYCLE",
     "AfterBackward",
-    "AfterStep",
-    "OutOfData",
-    "AfterTrain",
-    "AfterEval",
-    "AfterWindow",
+    "AfterData",
     "AfterEpoch",
-    "BeforeSaveCheckpoint",
+    "AfterEval",
     "AfterLoadCheckpoint",
-    "Error",
+    "AfterStep",
+    "AfterTrain",
+    "AfterWindow",
+    "BeforeEpoch",
+    "BeforeSaveCheckpoint",
+    "BeforeStep",
+    "BeforeWindow",
     "End",
     "EndStatus",
+    "Error",
+    "Event",
+    "OutOfData",
+    "Start",
+    "StepEvent",
+    "WindowMode",
     "method_name",
 ]
 
@@ -75,8 +76,6 @@ class Start(Event, frozen=True, kw_only=True):
 
 class WindowMode(Event, frozen=True, kw_only=True):
     """The dataset is consumed window by window (RecIS window IO mode)."""
-
-    num_windows: int | None = None
 
 
 class BeforeEpoch(Event, frozen=True, kw_only=True):
@@ -160,7 +159,8 @@ class AfterLoadCheckpoint(Event, frozen=True, kw_only=True):
 
 
 class Error(Event, frozen=True, kw_only=True):
-    """The body of ``async with HookBus()`` raised; published just before ``End(status="failed")``."""
+    """The body of ``async with HookBus()`` raised; published just before
+    ``End(status="failed")``."""
 
     exc_type: str
     message: str
@@ -185,3 +185,25 @@ _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
 def method_name(event_type: type[Event]) -> str:
     """The :class:`Hook` method for ``event_type``: ``AfterStep`` -> ``"after_step"``."""
     return _CAMEL.sub("_", event_type.__name__).lower()
+
+
+LIFECYCLE: tuple[type[Event], ...] = (
+    Start,
+    WindowMode,
+    BeforeEpoch,
+    BeforeWindow,
+    BeforeStep,
+    AfterData,
+    AfterBackward,
+    AfterStep,
+    OutOfData,
+    AfterTrain,
+    AfterEval,
+    AfterWindow,
+    AfterEpoch,
+    BeforeSaveCheckpoint,
+    AfterLoadCheckpoint,
+    Error,
+    End,
+)
+"""The built-in events in the reference order of a run."""

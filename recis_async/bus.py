@@ -1,0 +1,726 @@
+"""HookBus: ordered in-band dispatch of lifecycle events plus background services.
+
+``await bus.publish(event)`` runs every subscriber of the event's type (and of its base
+classes) in order of priority, then registration, and returns when they all ran, so a hook that
+requests a stop acts before the next step.  The per-type subscriber list is computed once and
+cached; publishing spawns no task and does not yield per handler.
+
+Slow work runs in services (:class:`~recis_async.service.Service`) started in the bus's task
+group.  Leaving ``async with`` publishes ``End`` once (after ``Error`` if the body raised), then
+closes every service in reverse order under one ``flush_timeout`` deadline, shielded from
+cancellation.  The body's own exception propagates unchanged.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from collections.abc import Callable, Iterator, Mapping
+from contextvars import Token
+from time import perf_counter
+from types import TracebackType
+from typing import Any, TypeVar, cast
+
+import anyio
+import msgspec
+from anyio.abc import TaskGroup
+from anyio.lowlevel import checkpoint
+
+from . import dist
+from .collect import StepCollector, _current
+from .errors import HookError
+from .events import LIFECYCLE, AfterStep, BeforeStep, End, Error, Event, OutOfData, method_name
+from .hook import RESERVED_NAMES, Hook, OnError
+from .priority import Priority, priority_label, priority_value
+from .service import Service
+
+__all__ = ["HookBus", "Subscription"]
+
+logger = logging.getLogger("recis_async.bus")
+
+E = TypeVar("E", bound=Event)
+F = TypeVar("F", bound=Callable[..., Any])
+
+_ON_ERROR = ("raise", "log", "disable")
+_YIELD_EVERY_S = 0.001  # hand the loop to background tasks at most this often while publishing
+_CLOSE_GRACE_S = 5.0  # a service that ignores its deadline is abandoned this much later
+_KIND_PLAIN, _KIND_BEFORE_STEP, _KIND_AFTER_STEP, _KIND_OUT_OF_DATA, _KIND_END = range(5)
+
+
+class Subscription:
+    """One subscriber: the callable, its order key, filters and counters.
+
+    Returned by :meth:`HookBus.subscribe`; ``remove()`` unsubscribes (idempotent) and the
+    handle is a context manager that removes on exit.
+    """
+
+    __slots__ = (
+        "_bus",
+        "active",
+        "calls",
+        "count",
+        "errors",
+        "event_type",
+        "every",
+        "every_seconds",
+        "filtered",
+        "fn",
+        "is_async",
+        "last_fired",
+        "max_s",
+        "name",
+        "on_error",
+        "once",
+        "priority",
+        "seq",
+        "total_s",
+        "when",
+    )
+
+    def __init__(
+        self,
+        bus: HookBus,
+        event_type: type[Event],
+        fn: Callable[..., Any],
+        name: str,
+        priority: int,
+        seq: int,
+        every: int | None,
+        once: int | None,
+        every_seconds: float | None,
+        when: Callable[[Any], bool] | None,
+        on_error: OnError,
+    ) -> None:
+        self._bus = bus
+        self.event_type = event_type
+        self.fn = fn
+        self.name = name
+        self.priority = priority
+        self.seq = seq
+        self.is_async = _is_async_callable(fn)
+        self.every = every
+        self.once = once
+        self.every_seconds = every_seconds
+        self.when = when
+        self.on_error = on_error
+        self.filtered = not (
+            every is None and once is None and every_seconds is None and when is None
+        )
+        self.active = True
+        self.count = 0
+        self.last_fired = -math.inf
+        self.calls = 0
+        self.errors = 0
+        self.total_s = 0.0
+        self.max_s = 0.0
+
+    def accepts(self, event: Event, now: float) -> bool:
+        """Count this occurrence (1-based) and apply every filter; all must pass."""
+        self.count += 1
+        n = self.count
+        if self.every is not None and n % self.every:
+            return False
+        if self.once is not None:
+            if n != self.once:
+                return False
+            self.remove()  # fires once, never again
+        if self.when is not None and not self.when(event):
+            return False
+        if self.every_seconds is not None:
+            if now - self.last_fired < self.every_seconds:
+                return False
+            self.last_fired = now
+        return True
+
+    def remove(self) -> None:
+        """Unsubscribe; calling it again does nothing."""
+        if self.active:
+            self.active = False
+            self._bus._remove(self)
+
+    def describe(self, event_type: type[Event]) -> str:
+        """One line: name, priority, filters, and the base class it came through."""
+        filters = [
+            f"{k}={v!r}"
+            for k, v in (
+                ("every", self.every),
+                ("once", self.once),
+                ("every_seconds", self.every_seconds),
+                ("when", getattr(self.when, "__name__", self.when)),
+            )
+            if v is not None
+        ]
+        parts = [self.name, f"priority={priority_label(self.priority)}", *filters]
+        if self.on_error != "raise":
+            parts.append(f"on_error={self.on_error}")
+        if self.event_type is not event_type:
+            parts.append(f"(subscribed to {self.event_type.__name__})")
+        return "  ".join(parts)
+
+    def __enter__(self) -> Subscription:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"<Subscription {self.name} on {self.event_type.__name__}>"
+
+
+_Entry = tuple["Subscription", Callable[[Any], Any], bool, bool]
+
+
+class _Route:
+    """Cached dispatch for one concrete event type: ``(sub, fn, is_async, filtered)`` rows,
+    unpacked in the loop so the hot path loads no attribute it does not need."""
+
+    __slots__ = ("entries", "kind")
+
+    def __init__(self, subs: list[Subscription], kind: int) -> None:
+        self.entries: tuple[_Entry, ...] = tuple((s, s.fn, s.is_async, s.filtered) for s in subs)
+        self.kind = kind
+
+
+class HookBus:
+    """The event bus around a training loop: ``async with HookBus() as bus: ...``.
+
+    ``flush_timeout`` bounds, in seconds, how long close may take to drain every background
+    service after ``End``.
+    """
+
+    def __init__(self, flush_timeout: float = 60.0) -> None:
+        if isinstance(flush_timeout, bool) or not isinstance(flush_timeout, int | float):
+            raise TypeError(f"flush_timeout: expected a number of seconds, got {flush_timeout!r}")
+        if not flush_timeout > 0:
+            raise ValueError(f"flush_timeout: expected > 0 seconds, got {flush_timeout!r}")
+        self.flush_timeout = float(flush_timeout)
+        self._subs: list[Subscription] = []
+        self._routes: dict[type, _Route] = {}
+        self._seq = 0
+        self._hooks: list[Hook] = []
+        self._services: list[Service] = []
+        self._failures: list[HookError] = []
+        self._tg: TaskGroup | None = None
+        self._state = "new"  # new -> open -> closing -> closed
+        self._end_published = False
+        self._collector = StepCollector()
+        self._token: Token[StepCollector | None] | None = None
+        self._stop_reason: str | None = None
+        self._last_yield = 0.0
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def __aenter__(self) -> HookBus:
+        if self._state != "new":
+            raise RuntimeError(f"HookBus cannot be entered twice (state: {self._state})")
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg = tg
+        self._state = "open"
+        self._token = _current.set(self._collector)
+        for service in self._services:
+            tg.start_soon(self._run_service, service, name=f"service:{service.name}")
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        errors = await self._close(exc)
+        tg = self._tg
+        assert tg is not None
+        tg.cancel_scope.cancel()  # every service returned already; this only stops stragglers
+        await tg.__aexit__(None, None, None)
+        if self._token is not None:
+            _current.reset(self._token)
+            self._token = None
+        if exc is None and errors:
+            for extra in errors[1:]:
+                logger.error("also failed while closing the bus: %s", extra)
+            raise errors[0]
+        for extra in errors:
+            logger.error("failed while closing the bus after the body raised: %s", extra)
+        return False
+
+    async def aclose(self) -> None:
+        """Publish ``End`` (if not yet) and drain every service; idempotent.  Raises the
+        first close error as :class:`HookError`."""
+        if self._state == "new":
+            raise RuntimeError("HookBus.aclose(): the bus was never entered")
+        errors = await self._close(None)
+        if errors:
+            raise errors[0]
+
+    async def _close(self, exc: BaseException | None) -> list[HookError]:
+        if self._state in ("closing", "closed"):
+            return []
+        self._state = "closing"
+        errors: list[HookError] = []
+        with anyio.CancelScope(shield=True):
+            deadline = anyio.current_time() + self.flush_timeout
+            if not self._end_published:
+                if exc is None:
+                    status = "preempted" if self._stop_reason == "preempted" else "ok"
+                elif isinstance(exc, anyio.get_cancelled_exc_class()):
+                    status = "cancelled"
+                else:
+                    status = "failed"
+                    await self._dispatch(
+                        Error(exc_type=type(exc).__qualname__, message=str(exc)), errors
+                    )
+                await self._dispatch(End(status=status), errors)  # type: ignore[arg-type]
+            for service in reversed(self._services):
+                await self._close_service(service, deadline, errors)
+        errors.extend(self._failures)
+        self._failures.clear()
+        self._collector.open = False
+        self._state = "closed"
+        return errors
+
+    async def _close_service(
+        self, service: Service, deadline: float, errors: list[HookError]
+    ) -> None:
+        with anyio.CancelScope(deadline=deadline + _CLOSE_GRACE_S) as scope:
+            try:
+                await service.aclose(deadline)
+            except Exception as exc:
+                err = HookError(
+                    f"service {service.name!r} failed while closing: {exc}",
+                    subscriber=service.name,
+                )
+                err.__cause__ = exc
+                errors.append(err)
+        if scope.cancelled_caught:
+            errors.append(
+                HookError(
+                    f"service {service.name!r} did not close within flush_timeout="
+                    f"{self.flush_timeout}s (+{_CLOSE_GRACE_S}s grace); it was cancelled",
+                    subscriber=service.name,
+                )
+            )
+
+    async def _run_service(self, service: Service) -> None:
+        try:
+            await service.run()
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Exception as exc:
+            err = HookError(f"service {service.name!r} failed: {exc}", subscriber=service.name)
+            err.__cause__ = exc
+            logger.error("%s", err)
+            self._failures.append(err)
+
+    # ------------------------------------------------------------------ hooks and services
+    @property
+    def hooks(self) -> tuple[Hook, ...]:
+        """The hooks added to this bus, in order."""
+        return tuple(self._hooks)
+
+    def add_hook(self, hook: Hook) -> None:
+        """Subscribe every event method ``hook``'s class overrides, then ``hook.attach(self)``.
+
+        Hooks with ``rank_zero_only`` are skipped on ranks other than 0.
+        """
+        if not isinstance(hook, Hook):
+            raise TypeError(f"add_hook(hook=...): expected a Hook instance, got {hook!r}")
+        if self._state in ("closing", "closed"):
+            raise RuntimeError("add_hook(): the bus is closed")
+        if any(h is hook for h in self._hooks):
+            raise ValueError(f"add_hook(): {hook!r} was already added to this bus")
+        key = hook.state_key
+        for other in self._hooks:
+            if other.state_key == key:
+                raise ValueError(
+                    f"add_hook(): state_key {key!r} of {hook!r} is already used by {other!r}; "
+                    "give one of them a distinct state_key"
+                )
+        if hook.rank_zero_only and self.rank != 0:
+            return
+        priority = priority_value(hook.priority, field=f"{type(hook).__name__}.priority")
+        on_error = _check_on_error(hook.on_error, f"{type(hook).__name__}.on_error")
+        cls = type(hook)
+        for event_type in _event_types():
+            name = method_name(event_type)
+            if name in RESERVED_NAMES:
+                continue
+            impl = getattr(cls, name, None)
+            if impl is None or impl is getattr(Hook, name, None) or not callable(impl):
+                continue
+            self._add(
+                event_type,
+                getattr(hook, name),
+                f"{cls.__name__}.{name}",
+                priority,
+                None,
+                None,
+                None,
+                None,
+                on_error,
+            )
+        self._hooks.append(hook)
+        hook.attach(self)
+
+    def start_service(self, service: Service) -> None:
+        """Run ``service`` in the bus's task group until close (started at enter if not open)."""
+        if not isinstance(service, Service):
+            raise TypeError(f"start_service(service=...): expected a Service, got {service!r}")
+        if self._state in ("closing", "closed"):
+            raise RuntimeError("start_service(): the bus is closed")
+        self._services.append(service)
+        if self._tg is not None:
+            self._tg.start_soon(self._run_service, service, name=f"service:{service.name}")
+
+    # ------------------------------------------------------------------ subscribing
+    def subscribe(
+        self,
+        event_type: type[E],
+        fn: Callable[[E], Any],
+        *,
+        priority: int | str | Priority = Priority.NORMAL,
+        every: int | None = None,
+        once: int | None = None,
+        every_seconds: float | None = None,
+        when: Callable[[E], bool] | None = None,
+        on_error: OnError = "raise",
+    ) -> Subscription:
+        """Subscribe ``fn`` (sync or async) to ``event_type`` and its subclasses.
+
+        Filters count this subscriber's occurrences, 1-based: ``every=3`` fires on the 3rd,
+        6th, ...; ``once=2`` only on the 2nd; ``every_seconds`` at most once per interval (the
+        first occurrence fires); ``when(event)`` must return true.  All given must pass.
+        """
+        if not (isinstance(event_type, type) and issubclass(event_type, Event)):
+            raise TypeError(
+                f"subscribe(event_type=...): expected an Event subclass, got {event_type!r}"
+            )
+        if not callable(fn):
+            raise TypeError(f"subscribe(fn=...): expected a callable, got {fn!r}")
+        for field, value in (("every", every), ("once", once)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value <= 0
+            ):
+                raise ValueError(f"subscribe({field}=...): expected a positive int, got {value!r}")
+        if every_seconds is not None and (
+            isinstance(every_seconds, bool)
+            or not isinstance(every_seconds, int | float)
+            or not every_seconds > 0
+        ):
+            raise ValueError(
+                f"subscribe(every_seconds=...): expected a positive number, got {every_seconds!r}"
+            )
+        if when is not None and not callable(when):
+            raise TypeError(f"subscribe(when=...): expected a callable, got {when!r}")
+        return self._add(
+            event_type,
+            fn,
+            _callable_name(fn),
+            priority_value(priority, field="subscribe(priority=...)"),
+            every,
+            once,
+            None if every_seconds is None else float(every_seconds),
+            when,
+            _check_on_error(on_error, "subscribe(on_error=...)"),
+        )
+
+    def on(
+        self,
+        event_type: type[E],
+        *,
+        priority: int | str | Priority = Priority.NORMAL,
+        every: int | None = None,
+        once: int | None = None,
+        every_seconds: float | None = None,
+        when: Callable[[E], bool] | None = None,
+        on_error: OnError = "raise",
+    ) -> Callable[[F], F]:
+        """Decorator form of :meth:`subscribe`; returns the function unchanged."""
+
+        def decorate(fn: F) -> F:
+            self.subscribe(
+                event_type,
+                fn,
+                priority=priority,
+                every=every,
+                once=once,
+                every_seconds=every_seconds,
+                when=when,
+                on_error=on_error,
+            )
+            return fn
+
+        return decorate
+
+    def _add(
+        self,
+        event_type: type[Event],
+        fn: Callable[..., Any],
+        name: str,
+        priority: int,
+        every: int | None,
+        once: int | None,
+        every_seconds: float | None,
+        when: Callable[[Any], bool] | None,
+        on_error: OnError,
+    ) -> Subscription:
+        if self._state in ("closing", "closed"):
+            raise RuntimeError("subscribe(): the bus is closed")
+        self._seq += 1
+        sub = Subscription(
+            self,
+            event_type,
+            fn,
+            name,
+            priority,
+            self._seq,
+            every,
+            once,
+            every_seconds,
+            when,
+            on_error,
+        )
+        self._subs.append(sub)
+        self._routes.clear()
+        return sub
+
+    def _remove(self, sub: Subscription) -> None:
+        try:
+            self._subs.remove(sub)
+        except ValueError:
+            return
+        self._routes.clear()
+
+    def _route(self, event_type: type) -> _Route:
+        if not (isinstance(event_type, type) and issubclass(event_type, Event)):
+            raise TypeError(
+                f"publish(event=...): expected an Event instance, got {event_type.__name__}"
+            )
+        subs = sorted(
+            (s for s in self._subs if issubclass(event_type, s.event_type)),
+            key=lambda s: (s.priority, s.seq),
+        )
+        if issubclass(event_type, BeforeStep):
+            kind = _KIND_BEFORE_STEP
+        elif issubclass(event_type, AfterStep):
+            kind = _KIND_AFTER_STEP
+        elif issubclass(event_type, OutOfData):
+            kind = _KIND_OUT_OF_DATA
+        elif issubclass(event_type, End):
+            kind = _KIND_END
+        else:
+            kind = _KIND_PLAIN
+        route = self._routes[event_type] = _Route(subs, kind)
+        return route
+
+    # ------------------------------------------------------------------ publishing
+    async def publish(self, event: Event) -> None:
+        """Run every subscriber of ``event`` in order; return when all ran.
+
+        A failing ``on_error="raise"`` subscriber raises :class:`HookError` here, as does a
+        background service that failed since the last publish.
+        """
+        if self._state != "open":
+            raise RuntimeError(
+                f"publish(): the bus is {self._state}; publish inside `async with HookBus()`"
+            )
+        if self._failures:
+            raise self._failures.pop(0)
+        route = self._routes.get(type(event)) or self._route(type(event))
+        kind = route.kind
+        if kind:
+            if kind == _KIND_AFTER_STEP:
+                if self._collector.pending:
+                    event = self._with_collected(cast(AfterStep, event))
+            elif kind == _KIND_BEFORE_STEP:
+                self._collector.begin_step(event.is_train)
+            elif kind == _KIND_OUT_OF_DATA:
+                self._collector.take()  # the step did not happen: drop what it collected
+            else:  # End: every subscriber receives it, even when one fails
+                if self._end_published:
+                    raise RuntimeError("publish(End): End was already published on this bus")
+                errors: list[HookError] = []
+                await self._dispatch(event, errors)
+                if errors:
+                    raise errors[0]
+                return
+        # The hot path: keep it flat (no helper coroutine, no per-handler checkpoint).
+        t = perf_counter()
+        for sub, fn, is_async, filtered in route.entries:
+            if not sub.active:
+                continue
+            try:
+                if filtered and not sub.accepts(event, t):
+                    continue
+                if is_async:
+                    await fn(event)
+                else:
+                    fn(event)
+            except Exception as exc:
+                self._failed(sub, event, exc, None)
+            now = perf_counter()
+            elapsed = now - t
+            sub.calls += 1
+            sub.total_s += elapsed
+            if elapsed > sub.max_s:
+                sub.max_s = elapsed
+            t = now
+        if self._services and t - self._last_yield > _YIELD_EVERY_S:
+            self._last_yield = t
+            await checkpoint()  # let background services use the loop
+
+    async def _dispatch(self, event: Event, errors: list[HookError]) -> None:
+        """Deliver to every subscriber, collecting ``on_error="raise"`` failures in ``errors``
+        instead of stopping at the first (``End`` and ``Error``, and everything at close)."""
+        if isinstance(event, End):
+            self._end_published = True
+        route = self._routes.get(type(event)) or self._route(type(event))
+        t = perf_counter()
+        for sub, fn, is_async, filtered in route.entries:
+            if not sub.active:
+                continue
+            try:
+                if filtered and not sub.accepts(event, t):
+                    continue
+                if is_async:
+                    await fn(event)
+                else:
+                    fn(event)
+            except Exception as exc:
+                self._failed(sub, event, exc, errors)
+            now = perf_counter()
+            sub.calls += 1
+            sub.total_s += now - t
+            sub.max_s = max(sub.max_s, now - t)
+            t = now
+
+    def _failed(
+        self,
+        sub: Subscription,
+        event: Event,
+        exc: Exception,
+        errors: list[HookError] | None,
+    ) -> None:
+        sub.errors += 1
+        event_name = type(event).__name__
+        if sub.on_error == "raise":
+            err = HookError(
+                f"{sub.name} failed on {event_name}: {type(exc).__name__}: {exc}",
+                subscriber=sub.name,
+                event=event_name,
+            )
+            err.__cause__ = exc
+            if errors is None:
+                raise err
+            errors.append(err)
+            return
+        logger.error(
+            "%s failed on %s (on_error=%s)", sub.name, event_name, sub.on_error, exc_info=exc
+        )
+        if sub.on_error == "disable":
+            sub.remove()
+
+    def _with_collected(self, event: AfterStep) -> AfterStep:
+        metrics, trace, tracked = self._collector.take()
+        return msgspec.structs.replace(
+            event,
+            metrics={**metrics, **event.metrics} if event.metrics else metrics,
+            trace={**trace, **event.trace} if event.trace else trace,
+            tracked={**tracked, **event.tracked} if event.tracked else tracked,
+        )
+
+    # ------------------------------------------------------------------ control
+    def request_stop(self, reason: str = "") -> None:
+        """Ask the loop to stop at the next step boundary; the first reason is kept."""
+        if self._stop_reason is None:
+            self._stop_reason = reason
+            logger.info("stop requested%s", f": {reason}" if reason else "")
+
+    @property
+    def should_stop(self) -> bool:
+        return self._stop_reason is not None
+
+    @property
+    def stop_reason(self) -> str | None:
+        return self._stop_reason
+
+    # ------------------------------------------------------------------ observability
+    def stats(self) -> dict[str, Any]:
+        """Per subscriber calls, errors, total and max seconds; per service its own stats."""
+        subscribers: dict[str, dict[str, Any]] = {}
+        for sub in sorted(self._subs, key=lambda s: s.seq):
+            subscribers[_unique(subscribers, sub.name)] = {
+                "event": sub.event_type.__name__,
+                "calls": sub.calls,
+                "errors": sub.errors,
+                "total_s": sub.total_s,
+                "max_s": sub.max_s,
+            }
+        services: dict[str, Mapping[str, Any]] = {}
+        for service in self._services:
+            services[_unique(services, service.name)] = dict(service.stats())
+        return {"subscribers": subscribers, "services": services}
+
+    def describe(self) -> str:
+        """The effective order of subscribers for every event type that has any."""
+        lines: list[str] = []
+        for event_type in _event_types():
+            subs = sorted(
+                (s for s in self._subs if issubclass(event_type, s.event_type)),
+                key=lambda s: (s.priority, s.seq),
+            )
+            if not subs:
+                continue
+            lines.append(f"{event_type.__name__}:")
+            lines.extend(f"  {i}. {s.describe(event_type)}" for i, s in enumerate(subs, 1))
+        if self._services:
+            lines.append("services (closed in reverse order):")
+            lines.extend(f"  {i}. {s.name}" for i, s in enumerate(self._services, 1))
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (
+            f"<HookBus {self._state} hooks={len(self._hooks)} subscribers={len(self._subs)} "
+            f"services={len(self._services)}>"
+        )
+
+
+def _event_types() -> Iterator[type[Event]]:
+    """The lifecycle events in reference order, then every other Event subclass."""
+    seen: set[type] = set(LIFECYCLE)
+    yield from LIFECYCLE
+    stack: list[type[Event]] = [Event]
+    while stack:
+        cls = stack.pop()
+        stack.extend(reversed(cls.__subclasses__()))
+        if cls not in seen:
+            seen.add(cls)
+            yield cls
+
+
+def _check_on_error(value: object, field: str) -> OnError:
+    if value not in _ON_ERROR:
+        raise ValueError(f"{field}: expected one of 'raise', 'log', 'disable', got {value!r}")
+    return cast(OnError, value)
+
+
+def _is_async_callable(fn: Callable[..., Any]) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004 - async __call__ on callable objects
+    )
+
+
+def _callable_name(fn: Callable[..., Any]) -> str:
+    name = getattr(fn, "__qualname__", None) or getattr(type(fn), "__qualname__", repr(fn))
+    return str(name)
+
+
+def _unique(existing: Mapping[str, Any], name: str) -> str:
+    if name not in existing:
+        return name
+    n = 2
+    while f"{name}#{n}" in existing:
+        n += 1
+    return f"{name}#{n}"

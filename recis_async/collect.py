@@ -1,0 +1,127 @@
+"""Step-scoped collectors: ``add_metric``, ``add_to_trace``, ``add_to_ml_tracker``.
+
+They write into the collector of the bus open in the current context (a contextvar set by
+``async with HookBus()``).  The next published ``AfterStep`` carries what was collected and the
+collector is cleared, so nothing leaks from one step (or from training into evaluation) to the
+next.  There is no module-level mutable state: the RecIS global trace/metric maps are gone.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from numbers import Number
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["StepCollector", "add_metric", "add_to_ml_tracker", "add_to_trace", "current_collector"]
+
+
+class StepCollector:
+    """What one step collected; owned by one bus."""
+
+    __slots__ = ("is_train", "metrics", "open", "trace", "tracked")
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, Any] = {}
+        self.trace: dict[str, Any] = {}
+        self.tracked: dict[str, Any] = {}
+        self.open = True
+        self.is_train = True
+
+    def begin_step(self, is_train: bool) -> None:
+        """A step starts; values left from a step of the other kind (train vs eval) are
+        dropped so evaluation never carries training values, and vice versa."""
+        if is_train != self.is_train:
+            self.is_train = is_train
+            self.take()
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.metrics or self.trace or self.tracked)
+
+    def take(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """Hand over the step's values and start empty."""
+        taken = (self.metrics, self.trace, self.tracked)
+        self.metrics, self.trace, self.tracked = {}, {}, {}
+        return taken
+
+
+_current: ContextVar[StepCollector | None] = ContextVar("recis_async_collector", default=None)
+
+
+def current_collector(caller: str) -> StepCollector:
+    """The collector of the bus open in this context, or a ``RuntimeError`` naming ``caller``."""
+    collector = _current.get()
+    if collector is None or not collector.open:
+        raise RuntimeError(
+            f"{caller}() called with no HookBus open: call it inside `async with HookBus() as bus:`"
+        )
+    return collector
+
+
+def _check_name(caller: str, name: object) -> str:
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{caller}(name=...): expected a non-empty str, got {name!r}")
+    return name
+
+
+def _scalar_or_array(value: Any) -> Any:
+    """Tensors and numpy values as plain numbers when they hold one element, else numpy copies."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+        if value.numel() == 1:
+            return value.item()
+        return value.cpu().numpy().copy()
+    if isinstance(value, np.ndarray):
+        return value.item() if value.size == 1 else value.copy()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def add_metric(name: str, value: Any) -> None:
+    """Record a metric for the current step (``AfterStep.metrics``)."""
+    current_collector("add_metric").metrics[_check_name("add_metric", name)] = _scalar_or_array(
+        value
+    )
+
+
+def add_to_trace(name: str, value: Any) -> None:
+    """Record a trace column for the current step (``AfterStep.trace``): a tensor, numpy array
+    or list, one entry per row.  The value is copied, so later in-place updates do not leak."""
+    collector = current_collector("add_to_trace")
+    _check_name("add_to_trace", name)
+    if isinstance(value, torch.Tensor):
+        array = value.detach().cpu().numpy().copy()
+    elif isinstance(value, np.ndarray):
+        array = value.copy()
+    elif isinstance(value, list):
+        array = np.asarray(value)
+    else:
+        raise ValueError(
+            f"add_to_trace({name!r}): expected a torch.Tensor, numpy.ndarray or list, "
+            f"got {type(value).__name__}"
+        )
+    if array.ndim == 0:
+        raise ValueError(
+            f"add_to_trace({name!r}): expected one entry per row (1-D or 2-D), got a scalar"
+        )
+    collector.trace[name] = array
+
+
+def add_to_ml_tracker(name: str, value: Any) -> None:
+    """Record a value for the experiment tracker (``AfterStep.tracked``): a number, tensor,
+    numpy array or list; arrays become lists."""
+    collector = current_collector("add_to_ml_tracker")
+    _check_name("add_to_ml_tracker", name)
+    converted = _scalar_or_array(value)
+    if isinstance(converted, np.ndarray):
+        converted = converted.tolist()
+    if not isinstance(converted, Number | list):
+        raise ValueError(
+            f"add_to_ml_tracker({name!r}): expected a number, tensor, numpy array or list, "
+            f"got {type(value).__name__}"
+        )
+    collector.tracked[name] = converted

@@ -1,0 +1,101 @@
+"""The Hook base class: one method per lifecycle event, subscribed by ``bus.add_hook``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from .events import (
+    AfterBackward,
+    AfterData,
+    AfterEpoch,
+    AfterEval,
+    AfterLoadCheckpoint,
+    AfterStep,
+    AfterTrain,
+    AfterWindow,
+    BeforeEpoch,
+    BeforeSaveCheckpoint,
+    BeforeStep,
+    BeforeWindow,
+    End,
+    Error,
+    OutOfData,
+    Start,
+    WindowMode,
+)
+from .priority import Priority
+
+if TYPE_CHECKING:
+    from .bus import HookBus
+
+__all__ = ["Hook", "OnError"]
+
+OnError = Literal["raise", "log", "disable"]
+
+
+class Hook:
+    """Base class for hooks.
+
+    Override the methods for the events you handle; each receives the event and may be a plain
+    or an ``async`` method.  ``bus.add_hook(hook)`` subscribes exactly the overridden methods
+    (and methods named after custom :class:`~recis_async.events.Event` subclasses, e.g.
+    ``eval_probe`` for ``EvalProbe``) with the class's ``priority`` and ``on_error``.  Hooks
+    with ``rank_zero_only = True`` are added on rank 0 only.
+
+    Slow work belongs in a background service started from :meth:`attach`.
+    """
+
+    priority: ClassVar[int | Priority] = Priority.NORMAL
+    on_error: ClassVar[OnError] = "raise"
+    rank_zero_only: ClassVar[bool] = False
+
+    @property
+    def state_key(self) -> str:
+        """Key of this hook's state in checkpoints; unique per bus."""
+        return type(self).__name__
+
+    def attach(self, bus: HookBus) -> None:
+        """Called once by ``bus.add_hook`` after subscribing; start background services here."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """State to checkpoint (plain values and tensors)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
+    # One method per event.  The base versions do nothing and are never subscribed.
+    def start(self, event: Start) -> Any: ...
+    def window_mode(self, event: WindowMode) -> Any: ...
+    def before_epoch(self, event: BeforeEpoch) -> Any: ...
+    def before_window(self, event: BeforeWindow) -> Any: ...
+    def before_step(self, event: BeforeStep) -> Any: ...
+    def after_data(self, event: AfterData) -> Any: ...
+    def after_backward(self, event: AfterBackward) -> Any: ...
+    def after_step(self, event: AfterStep) -> Any: ...
+    def out_of_data(self, event: OutOfData) -> Any: ...
+    def after_train(self, event: AfterTrain) -> Any: ...
+    def after_eval(self, event: AfterEval) -> Any: ...
+    def after_window(self, event: AfterWindow) -> Any: ...
+    def after_epoch(self, event: AfterEpoch) -> Any: ...
+    def before_save_checkpoint(self, event: BeforeSaveCheckpoint) -> Any: ...
+    def after_load_checkpoint(self, event: AfterLoadCheckpoint) -> Any: ...
+    def error(self, event: Error) -> Any: ...
+    def end(self, event: End) -> Any: ...
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__}>"
+
+
+# Attributes of Hook that are API, not event handlers, even if an event class maps onto them.
+RESERVED_NAMES = frozenset(
+    {
+        "attach",
+        "state_dict",
+        "load_state_dict",
+        "state_key",
+        "priority",
+        "on_error",
+        "rank_zero_only",
+    }
+)

@@ -1,0 +1,330 @@
+"""Trainer: drives a PyTorch model through the reference event order of a RecIS run.
+
+::
+
+    Start -> [WindowMode] -> per epoch: BeforeEpoch -> per window: [BeforeWindow] ->
+      per step: BeforeStep -> AfterData -> AfterBackward -> AfterStep  (or BeforeStep -> OutOfData)
+      -> AfterTrain -> [eval steps -> AfterEval] -> [AfterWindow] -> AfterEpoch ... -> End
+
+The trainer owns ``global_step`` (0-based index of a step; after ``AfterStep`` ``global_step + 1``
+steps are done) and ``epoch``; hooks never advance them.  ``bus.should_stop`` is honoured at the
+step boundary.  ``End`` comes from the bus when it closes, once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any, NamedTuple, Protocol, TypeVar
+
+import msgspec
+import torch
+
+from .bus import HookBus
+from .collect import add_metric
+from .events import (
+    AfterBackward,
+    AfterData,
+    AfterEpoch,
+    AfterEval,
+    AfterStep,
+    AfterTrain,
+    AfterWindow,
+    BeforeEpoch,
+    BeforeStep,
+    BeforeWindow,
+    OutOfData,
+    Start,
+    StepEvent,
+    WindowMode,
+)
+from .hook import Hook
+
+__all__ = ["Trainer", "TrainingArguments", "WindowedDataset"]
+
+
+def _positive(owner: str, field: str, value: object, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        expected = "a positive int or None" if optional else "a positive int"
+        raise ValueError(f"{owner}.{field}: expected {expected}, got {value!r}")
+
+
+class TrainingArguments(msgspec.Struct, kw_only=True, frozen=True):
+    """What the trainer runs; names follow RecIS's ``TrainingArguments``.
+
+    ``train_steps`` caps the total number of steps (exactly that many run when the data lasts);
+    ``train_epoch`` is the number of passes over the data; ``eval_steps`` caps each evaluation;
+    ``save_steps`` / ``max_to_keep`` configure checkpoints; ``log_steps`` the log interval.
+    """
+
+    output_dir: str = "output_dir"
+    log_steps: int = 100
+    train_steps: int | None = None
+    train_epoch: int = 1
+    eval_steps: int | None = None
+    save_steps: int | None = 1000
+    max_to_keep: int = 5
+    gradient_accumulation_steps: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.output_dir, str) or not self.output_dir:
+            raise ValueError(
+                f"TrainingArguments.output_dir: expected a non-empty path, got {self.output_dir!r}"
+            )
+        for field in ("log_steps", "train_epoch", "max_to_keep", "gradient_accumulation_steps"):
+            _positive("TrainingArguments", field, getattr(self, field))
+        for field in ("train_steps", "eval_steps", "save_steps"):
+            _positive("TrainingArguments", field, getattr(self, field), optional=True)
+
+
+class WindowedDataset(Protocol):
+    """A dataset read window by window (RecIS window IO): ``windows()`` yields iterables."""
+
+    def windows(self) -> Iterable[Iterable[Any]]: ...
+
+
+def batch_size(batch: Any) -> int:
+    """Rows in a batch: the first dimension of its first tensor/array (dicts, lists, tuples)."""
+    if isinstance(batch, torch.Tensor) or hasattr(batch, "shape"):
+        shape = batch.shape
+        return int(shape[0]) if len(shape) else 1
+    if isinstance(batch, dict):
+        for value in batch.values():
+            return batch_size(value)
+        return 0
+    if isinstance(batch, list | tuple):
+        if batch and (isinstance(batch[0], torch.Tensor) or hasattr(batch[0], "shape")):
+            return batch_size(batch[0])
+        return len(batch)
+    return 1
+
+
+class Trainer:
+    """Runs ``model`` over ``train_dataset`` publishing the reference events on a bus.
+
+    ``model(batch)`` returns the scalar loss tensor.  ``dense_optimizers`` is
+    ``(optimizer, lr_scheduler)``; either may be ``None`` (no optimizer: evaluation only).
+    Without ``bus`` each of :meth:`train`, :meth:`evaluate`, :meth:`train_and_evaluate` opens
+    and closes its own :class:`HookBus` with ``hooks`` added.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        args: TrainingArguments | None = None,
+        train_dataset: Iterable[Any] | WindowedDataset | None = None,
+        eval_dataset: Iterable[Any] | None = None,
+        hooks: Sequence[Hook] | None = None,
+        dense_optimizers: tuple[Any, Any] = (None, None),
+        bus: HookBus | None = None,
+    ) -> None:
+        if not callable(model):
+            raise TypeError(f"Trainer(model=...): expected a callable module, got {model!r}")
+        args = TrainingArguments() if args is None else args
+        if not isinstance(args, TrainingArguments):
+            raise TypeError(f"Trainer(args=...): expected TrainingArguments, got {args!r}")
+        for field, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+            if dataset is not None and not (
+                hasattr(dataset, "windows") or isinstance(dataset, Iterable)
+            ):
+                raise TypeError(
+                    f"Trainer({field}=...): expected an iterable of batches or an object with "
+                    f"windows(), got {type(dataset).__name__}"
+                )
+        hooks = list(hooks or ())
+        for i, hook in enumerate(hooks):
+            if not isinstance(hook, Hook):
+                raise TypeError(f"Trainer(hooks[{i}]): expected a Hook, got {hook!r}")
+        if not (isinstance(dense_optimizers, tuple | list) and len(dense_optimizers) == 2):
+            raise TypeError(
+                "Trainer(dense_optimizers=...): expected (optimizer, lr_scheduler), "
+                f"got {dense_optimizers!r}"
+            )
+        if bus is not None and not isinstance(bus, HookBus):
+            raise TypeError(f"Trainer(bus=...): expected a HookBus, got {bus!r}")
+        self.model = model
+        self.args = args
+        self.train_dataset = train_dataset
+        self.eval_dataset = eval_dataset
+        self.hooks = hooks
+        self.optimizer, self.lr_scheduler = dense_optimizers
+        self.bus = bus
+        self.global_step = 0
+        self.epoch = 0
+
+    # ------------------------------------------------------------------ public entry points
+    async def train(self) -> None:
+        """Train for ``train_epoch`` passes or ``train_steps`` steps, whichever ends first."""
+        self._require_training()
+        async with self._session() as bus:
+            await bus.publish(Start(is_train=True))
+            await self._train_loop(bus, evaluate=False)
+
+    async def evaluate(self) -> dict[str, float]:
+        """Run ``eval_dataset`` once (at most ``eval_steps`` steps); returns the eval metrics."""
+        if self.eval_dataset is None:
+            raise ValueError("Trainer.evaluate(): eval_dataset is None")
+        async with self._session() as bus:
+            await bus.publish(Start(is_train=False))
+            return await self._evaluate(bus)
+
+    async def train_and_evaluate(self) -> None:
+        """Train, evaluating after every epoch (after every window for windowed data)."""
+        self._require_training()
+        if self.eval_dataset is None:
+            raise ValueError("Trainer.train_and_evaluate(): eval_dataset is None")
+        async with self._session() as bus:
+            await bus.publish(Start(is_train=True))
+            await self._train_loop(bus, evaluate=True)
+
+    # ------------------------------------------------------------------ the loops
+    def _require_training(self) -> None:
+        if self.train_dataset is None:
+            raise ValueError("Trainer: train_dataset is None")
+        if self.optimizer is None:
+            raise ValueError("Trainer: dense_optimizers[0] (the optimizer) is None; cannot train")
+
+    @contextlib.asynccontextmanager
+    async def _session(self) -> AsyncIterator[HookBus]:
+        if self.bus is not None:
+            for hook in self.hooks:
+                if not any(h is hook for h in self.bus.hooks):
+                    self.bus.add_hook(hook)
+            yield self.bus
+            return
+        async with HookBus() as bus:
+            for hook in self.hooks:
+                bus.add_hook(hook)
+            yield bus
+
+    def _steps_left(self) -> bool:
+        return self.args.train_steps is None or self.global_step < self.args.train_steps
+
+    async def _train_loop(self, bus: HookBus, *, evaluate: bool) -> None:
+        data: Any = self.train_dataset
+        windowed = hasattr(data, "windows")
+        if windowed:
+            await bus.publish(WindowMode(is_train=True))
+        self.model.train()
+        for epoch in range(self.args.train_epoch):
+            if not self._steps_left() or bus.should_stop:
+                break
+            self.epoch = epoch
+            await bus.publish(BeforeEpoch(is_train=True, epoch=epoch))
+            for window_index, window in enumerate(data.windows() if windowed else [data]):
+                if not self._steps_left() or bus.should_stop:
+                    break
+                if windowed:
+                    await bus.publish(BeforeWindow(is_train=True, epoch=epoch, window=window_index))
+                await self._train_steps(bus, window, epoch)
+                self._flush_accumulated()
+                await bus.publish(
+                    AfterTrain(is_train=True, global_step=self.global_step, epoch=epoch)
+                )
+                if evaluate and not bus.should_stop:
+                    await self._evaluate(bus)
+                if windowed:
+                    await bus.publish(AfterWindow(is_train=True, epoch=epoch, window=window_index))
+            await bus.publish(AfterEpoch(is_train=True, epoch=epoch, global_step=self.global_step))
+
+    async def _train_steps(self, bus: HookBus, data: Iterable[Any], epoch: int) -> None:
+        it = iter(data)
+        accumulate = self.args.gradient_accumulation_steps
+        local = 0
+        while self._steps_left():
+            at = _At(True, self.global_step, local, epoch)
+            await bus.publish(at(BeforeStep))
+            try:
+                batch = next(it)
+            except StopIteration:
+                await bus.publish(at(OutOfData))
+                return
+            await bus.publish(at(AfterData))
+            loss = _check_loss(self.model(batch))
+            (loss / accumulate if accumulate > 1 else loss).backward()
+            await bus.publish(at(AfterBackward))
+            if (self.global_step + 1) % accumulate == 0:
+                self._optimizer_step()
+            add_metric("loss", loss)
+            self.global_step += 1
+            local += 1
+            await bus.publish(at(AfterStep, samples=batch_size(batch)))
+            if bus.should_stop:
+                return
+
+    def _optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+
+    def _flush_accumulated(self) -> None:
+        """Apply gradients left over when the data ended mid-accumulation."""
+        if self.global_step % self.args.gradient_accumulation_steps:
+            self._optimizer_step()
+
+    async def _evaluate(self, bus: HookBus) -> dict[str, float]:
+        was_training = getattr(self.model, "training", False)
+        self.model.eval()
+        it = iter(self.eval_dataset or ())
+        total, rows, local = 0.0, 0, 0
+        try:
+            while self.args.eval_steps is None or local < self.args.eval_steps:
+                at = _At(False, self.global_step, local, self.epoch)
+                await bus.publish(at(BeforeStep))
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    await bus.publish(at(OutOfData))
+                    break
+                await bus.publish(at(AfterData))
+                with torch.no_grad():  # never held across an await: other tasks share the thread
+                    loss = _check_loss(self.model(batch))
+                n = batch_size(batch)
+                value = float(loss)
+                total += value * n
+                rows += n
+                local += 1
+                add_metric("loss", value)
+                await bus.publish(at(AfterStep, samples=n))
+        finally:
+            if was_training:
+                self.model.train()
+        metrics = {"loss": total / rows if rows else math.nan}
+        await bus.publish(AfterEval(global_step=self.global_step, steps=local, metrics=metrics))
+        return metrics
+
+
+S = TypeVar("S", bound=StepEvent)
+
+
+class _At(NamedTuple):
+    """Where a step is: builds that step's events."""
+
+    is_train: bool
+    global_step: int
+    local_step: int
+    epoch: int
+
+    def __call__(self, cls: type[S], **extra: Any) -> S:
+        return cls(
+            is_train=self.is_train,
+            global_step=self.global_step,
+            local_step=self.local_step,
+            epoch=self.epoch,
+            **extra,
+        )
+
+
+def _check_loss(loss: Any) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        what = (
+            f"a tensor of shape {tuple(loss.shape)}"
+            if isinstance(loss, torch.Tensor)
+            else type(loss).__name__
+        )
+        raise TypeError(f"model(batch): expected the scalar loss tensor, got {what}")
+    return loss

@@ -1,0 +1,469 @@
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+from recis_async import Hook, HookBus, HookError, Priority
+from recis_async.events import AfterStep, BeforeStep, End, Error, Event, Start
+
+pytestmark = pytest.mark.anyio
+
+
+class Custom(Event, frozen=True, kw_only=True):
+    n: int = 0
+
+
+class CustomChild(Custom, frozen=True, kw_only=True):
+    pass
+
+
+async def test_priority_then_registration_order() -> None:
+    seen: list[str] = []
+    async with HookBus() as bus:
+        bus.subscribe(Start, lambda e: seen.append("normal-1"))
+        bus.subscribe(Start, lambda e: seen.append("low"), priority=Priority.LOW)
+        bus.subscribe(Start, lambda e: seen.append("highest"), priority="HIGHEST")
+        bus.subscribe(Start, lambda e: seen.append("normal-2"))
+        bus.subscribe(Start, lambda e: seen.append("int-45"), priority=45)
+        await bus.publish(Start())
+    assert seen == ["highest", "int-45", "normal-1", "normal-2", "low"]
+
+
+async def test_sync_and_async_subscribers_and_decorator() -> None:
+    seen: list[tuple[str, int]] = []
+    async with HookBus() as bus:
+
+        @bus.on(Custom)
+        async def coro(event: Custom) -> None:
+            await anyio.lowlevel.checkpoint()
+            seen.append(("async", event.n))
+
+        @bus.on(Custom)
+        def plain(event: Custom) -> None:
+            seen.append(("sync", event.n))
+
+        await bus.publish(Custom(n=1))
+        assert coro.__name__ == "coro"  # the decorator returns the function unchanged
+    assert seen == [("async", 1), ("sync", 1)]
+
+
+async def test_publish_returns_after_every_subscriber_ran() -> None:
+    done: list[int] = []
+    async with HookBus() as bus:
+
+        async def slow(event: Custom) -> None:
+            await anyio.sleep(0.01)
+            done.append(event.n)
+
+        bus.subscribe(Custom, slow)
+        await bus.publish(Custom(n=5))
+        assert done == [5]
+
+
+async def test_base_class_subscription_receives_subclasses() -> None:
+    seen: list[str] = []
+    async with HookBus() as bus:
+        bus.subscribe(Event, lambda e: seen.append(type(e).__name__))
+        bus.subscribe(Custom, lambda e: seen.append("custom:" + type(e).__name__))
+        await bus.publish(CustomChild(n=1))
+        await bus.publish(Start())
+    assert seen == ["CustomChild", "custom:CustomChild", "Start", "End"]
+
+
+async def test_every_once_when_and_combination() -> None:
+    every: list[int] = []
+    once: list[int] = []
+    when: list[int] = []
+    both: list[int] = []
+    async with HookBus() as bus:
+        bus.subscribe(Custom, lambda e: every.append(e.n), every=3)
+        bus.subscribe(Custom, lambda e: once.append(e.n), once=2)
+        bus.subscribe(Custom, lambda e: when.append(e.n), when=lambda e: e.n % 2 == 0)
+        bus.subscribe(Custom, lambda e: both.append(e.n), every=2, when=lambda e: e.n > 4)
+        for n in range(1, 11):
+            await bus.publish(Custom(n=n))
+    assert every == [3, 6, 9]
+    assert once == [2]
+    assert when == [2, 4, 6, 8, 10]
+    assert both == [6, 8, 10]
+
+
+async def test_filters_count_per_subscriber_from_its_subscription() -> None:
+    seen: list[int] = []
+    async with HookBus() as bus:
+        await bus.publish(Custom(n=1))
+        bus.subscribe(Custom, lambda e: seen.append(e.n), every=2)
+        for n in range(2, 6):
+            await bus.publish(Custom(n=n))
+    assert seen == [3, 5]
+
+
+async def test_every_seconds_fires_first_then_at_most_once_per_interval() -> None:
+    seen: list[int] = []
+    async with HookBus() as bus:
+        bus.subscribe(Custom, lambda e: seen.append(e.n), every_seconds=3600)
+        for n in range(5):
+            await bus.publish(Custom(n=n))
+    assert seen == [0]
+
+    seen.clear()
+    async with HookBus() as bus:
+        bus.subscribe(Custom, lambda e: seen.append(e.n), every_seconds=0.05)
+        await bus.publish(Custom(n=0))
+        await bus.publish(Custom(n=1))
+        await anyio.sleep(0.06)
+        await bus.publish(Custom(n=2))
+    assert seen == [0, 2]
+
+
+async def test_handle_remove_and_context_manager() -> None:
+    seen: list[str] = []
+    async with HookBus() as bus:
+        handle = bus.subscribe(Custom, lambda e: seen.append("a"))
+        with bus.subscribe(Custom, lambda e: seen.append("b")):
+            await bus.publish(Custom())
+        await bus.publish(Custom())
+        handle.remove()
+        handle.remove()  # idempotent
+        await bus.publish(Custom())
+    assert seen == ["a", "b", "a"]
+
+
+async def test_subscriber_removed_during_dispatch_is_skipped() -> None:
+    seen: list[str] = []
+    async with HookBus() as bus:
+        later = bus.subscribe(Custom, lambda e: seen.append("later"), priority=Priority.LOW)
+        bus.subscribe(Custom, lambda e: later.remove(), priority=Priority.HIGH)
+        await bus.publish(Custom())
+    assert seen == []
+
+
+async def test_on_error_raise_names_subscriber_and_event() -> None:
+    boom = KeyError("nope")
+
+    def broken(event: Custom) -> None:
+        raise boom
+
+    after: list[int] = []
+    with pytest.raises(HookError) as info:
+        async with HookBus() as bus:
+            bus.subscribe(Custom, broken)
+            bus.subscribe(Custom, lambda e: after.append(1), priority=Priority.LOW)
+            await bus.publish(Custom())
+    assert "broken" in str(info.value) and "Custom" in str(info.value)
+    assert info.value.__cause__ is boom
+    assert info.value.event == "Custom"
+    assert after == []  # the failing publish stops there
+
+
+async def test_on_error_log_counts_and_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    seen: list[int] = []
+
+    def broken(event: Custom) -> None:
+        raise RuntimeError("flaky")
+
+    async with HookBus() as bus:
+        bus.subscribe(Custom, broken, on_error="log")
+        bus.subscribe(Custom, lambda e: seen.append(e.n))
+        with caplog.at_level(logging.ERROR, logger="recis_async.bus"):
+            await bus.publish(Custom(n=1))
+            await bus.publish(Custom(n=2))
+        stats = bus.stats()["subscribers"]
+    key = next(k for k in stats if "broken" in k)
+    assert stats[key]["errors"] == 2
+    assert seen == [1, 2]
+    assert "flaky" in caplog.text
+
+
+async def test_on_error_disable_unsubscribes() -> None:
+    calls: list[int] = []
+
+    def broken(event: Custom) -> None:
+        calls.append(event.n)
+        raise RuntimeError("once is enough")
+
+    async with HookBus() as bus:
+        bus.subscribe(Custom, broken, on_error="disable")
+        await bus.publish(Custom(n=1))
+        await bus.publish(Custom(n=2))
+        assert "broken" not in bus.describe()
+    assert calls == [1]
+
+
+async def test_body_exception_propagates_unchanged_and_end_failed() -> None:
+    seen: list[Any] = []
+    original = ZeroDivisionError("in the body")
+    with pytest.raises(ZeroDivisionError) as info:
+        async with HookBus() as bus:
+            bus.subscribe(Error, lambda e: seen.append(("error", e.exc_type, e.message)))
+            bus.subscribe(End, lambda e: seen.append(("end", e.status)))
+            raise original
+    assert info.value is original
+    assert seen == [("error", "ZeroDivisionError", "in the body"), ("end", "failed")]
+
+
+async def test_cancellation_publishes_end_cancelled_and_drains() -> None:
+    seen: list[str] = []
+    drained: list[bool] = []
+    with anyio.move_on_after(0.05):
+        async with HookBus() as bus:
+            bus.subscribe(End, lambda e: seen.append(e.status))
+            bus.start_service(_Recorder("svc", drained))
+            await anyio.sleep(10)
+    assert seen == ["cancelled"]
+    assert drained == [True]
+
+
+async def test_end_exactly_once_and_close_idempotent() -> None:
+    seen: list[str] = []
+    async with HookBus() as bus:
+        bus.subscribe(End, lambda e: seen.append(e.status))
+        await bus.publish(End(status="ok"))
+        with pytest.raises(RuntimeError, match="End was already published"):
+            await bus.publish(End())
+        await bus.aclose()
+        await bus.aclose()
+        with pytest.raises(RuntimeError, match="publish"):
+            await bus.publish(Start())
+    assert seen == ["ok"]
+
+
+async def test_end_reaches_every_subscriber_even_if_one_fails() -> None:
+    seen: list[str] = []
+
+    def broken(event: End) -> None:
+        raise RuntimeError("end failed")
+
+    with pytest.raises(HookError, match="end failed"):
+        async with HookBus() as bus:
+            bus.subscribe(End, broken, priority=Priority.HIGHEST)
+            bus.subscribe(End, lambda e: seen.append(e.status))
+    assert seen == ["ok"]
+
+
+async def test_body_error_wins_over_close_errors(caplog: pytest.LogCaptureFixture) -> None:
+    def broken(event: End) -> None:
+        raise RuntimeError("end failed too")
+
+    with caplog.at_level(logging.ERROR, logger="recis_async.bus"):
+        with pytest.raises(ValueError, match="body"):
+            async with HookBus() as bus:
+                bus.subscribe(End, broken)
+                raise ValueError("body")
+    assert "end failed too" in caplog.text
+
+
+async def test_request_stop() -> None:
+    async with HookBus() as bus:
+        assert not bus.should_stop
+        bus.subscribe(AfterStep, lambda e: bus.request_stop("enough"), once=2)
+        steps = 0
+        for step in range(10):
+            await bus.publish(AfterStep(global_step=step))
+            steps += 1
+            if bus.should_stop:
+                break
+        bus.request_stop("second reason is ignored")
+        assert bus.stop_reason == "enough"
+    assert steps == 2
+
+
+async def test_stats_count_calls_and_time() -> None:
+    async with HookBus() as bus:
+
+        async def slow(event: Custom) -> None:
+            await anyio.sleep(0.02)
+
+        bus.subscribe(Custom, slow)
+        for _ in range(3):
+            await bus.publish(Custom())
+        stats = bus.stats()["subscribers"]
+    (entry,) = [v for k, v in stats.items() if "slow" in k]
+    assert entry["calls"] == 3
+    assert entry["errors"] == 0
+    assert entry["total_s"] >= 0.06
+    assert 0.02 <= entry["max_s"] <= entry["total_s"]
+
+
+async def test_describe_shows_effective_order() -> None:
+    class Probe(Hook):
+        priority = Priority.LOW
+
+        def after_step(self, event: AfterStep) -> None:
+            pass
+
+    async with HookBus() as bus:
+        bus.add_hook(Probe())
+        bus.subscribe(Event, print, priority=Priority.HIGH)
+        bus.subscribe(AfterStep, print, every=100)
+        text = bus.describe()
+    section = text[text.index("AfterStep:") :].splitlines()
+    assert (
+        "print" in section[1] and "HIGH(30)" in section[1] and "subscribed to Event" in section[1]
+    )
+    assert "every=100" in section[2]
+    assert "Probe.after_step" in section[3] and "LOW(70)" in section[3]
+
+
+class _Recorder:
+    """A service that records whether it was drained."""
+
+    def __init__(self, name: str, drained: list[bool], fail_run: bool = False) -> None:
+        self.name = name
+        self.drained = drained
+        self.fail_run = fail_run
+        self._stop = anyio.Event()
+
+    async def run(self) -> None:
+        if self.fail_run:
+            await anyio.lowlevel.checkpoint()
+            raise OSError("disk gone")
+        await self._stop.wait()
+
+    async def aclose(self, deadline: float) -> None:
+        assert anyio.current_time() < deadline
+        self._stop.set()
+        self.drained.append(True)
+
+    def stats(self) -> Mapping[str, Any]:
+        return {"drained": bool(self.drained)}
+
+
+async def test_services_close_in_reverse_order_shielded() -> None:
+    order: list[str] = []
+
+    class Svc(_Recorder):
+        async def aclose(self, deadline: float) -> None:
+            await anyio.sleep(0.01)  # needs the shield when closing after cancellation
+            order.append(self.name)
+            await super().aclose(deadline)
+
+    with anyio.move_on_after(0.05):
+        async with HookBus() as bus:
+            bus.start_service(Svc("first", []))
+            bus.start_service(Svc("second", []))
+            assert bus.stats()["services"] == {
+                "first": {"drained": False},
+                "second": {"drained": False},
+            }
+            await anyio.sleep(10)
+    assert order == ["second", "first"]
+
+
+async def test_service_error_surfaces_at_next_publish() -> None:
+    with pytest.raises(HookError, match="service 'broken' failed: disk gone"):
+        async with HookBus() as bus:
+            bus.start_service(_Recorder("broken", [], fail_run=True))
+            await anyio.sleep(0.01)
+            await bus.publish(Start())
+
+
+async def test_service_error_surfaces_at_close() -> None:
+    with pytest.raises(HookError, match="disk gone"):
+        async with HookBus() as bus:
+            bus.start_service(_Recorder("broken", [], fail_run=True))
+            await anyio.sleep(0.01)
+
+
+async def test_service_ignoring_its_deadline_is_reported_not_hung(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Stubborn(_Recorder):
+        async def aclose(self, deadline: float) -> None:
+            await anyio.sleep_forever()
+
+    import recis_async.bus as bus_module
+
+    monkeypatch.setattr(bus_module, "_CLOSE_GRACE_S", 0.01)
+    with anyio.fail_after(5):
+        with pytest.raises(HookError, match="did not close within flush_timeout"):
+            async with HookBus(flush_timeout=0.01) as bus:
+                bus.start_service(Stubborn("stubborn", []))
+
+
+async def test_service_started_before_enter_runs_at_enter() -> None:
+    drained: list[bool] = []
+    bus = HookBus()
+    bus.start_service(_Recorder("early", drained))
+    async with bus:
+        pass
+    assert drained == [True]
+
+
+async def test_bad_input_is_refused_at_the_call() -> None:
+    async with HookBus() as bus:
+        with pytest.raises(
+            ValueError,
+            match=r"on_error=...\): expected one of 'raise', 'log', 'disable', got 'ignore'",
+        ):
+            bus.subscribe(Start, print, on_error="ignore")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"expected an Event subclass, got <class 'int'>"):
+            bus.subscribe(int, print)  # type: ignore[arg-type]
+        with pytest.raises(
+            ValueError, match=r"subscribe\(every=...\): expected a positive int, got 0"
+        ):
+            bus.subscribe(Start, print, every=0)
+        with pytest.raises(
+            ValueError, match=r"subscribe\(once=...\): expected a positive int, got -1"
+        ):
+            bus.subscribe(Start, print, once=-1)
+        with pytest.raises(ValueError, match=r"every_seconds"):
+            bus.subscribe(Start, print, every_seconds=0)
+        with pytest.raises(ValueError, match="priority"):
+            bus.subscribe(Start, print, priority="URGENT")
+        with pytest.raises(
+            TypeError, match=r"publish\(event=...\): expected an Event instance, got dict"
+        ):
+            await bus.publish({"global_step": 1})  # type: ignore[arg-type]
+        hook = Hook()
+        bus.add_hook(hook)
+        with pytest.raises(ValueError, match="already added"):
+            bus.add_hook(hook)
+        with pytest.raises(TypeError, match="expected a Hook instance"):
+            bus.add_hook(print)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"flush_timeout: expected > 0 seconds, got 0"):
+        HookBus(flush_timeout=0)
+
+
+async def test_publish_outside_the_block_is_refused() -> None:
+    bus = HookBus()
+    with pytest.raises(RuntimeError, match="publish inside `async with HookBus\\(\\)`"):
+        await bus.publish(Start())
+
+
+async def test_background_service_gets_loop_time_while_publishing_without_awaits() -> None:
+    """Sync subscribers never yield; the bus still lets services progress."""
+    progressed: list[int] = []
+
+    class Ticker(_Recorder):
+        async def run(self) -> None:
+            while not self._stop.is_set():
+                progressed.append(1)
+                await anyio.lowlevel.checkpoint()
+
+    async with HookBus() as bus:
+        bus.start_service(Ticker("ticker", []))
+        bus.subscribe(AfterStep, lambda e: None)
+        with anyio.fail_after(5):
+            while len(progressed) < 3:
+                await bus.publish(AfterStep())
+    assert len(progressed) >= 3
+
+
+async def test_body_error_inside_publish_is_hook_error_unwrapped() -> None:
+    """A HookError raised by publish in the body is the body's exception: not a group."""
+
+    def broken(event: BeforeStep) -> None:
+        raise ValueError("bad step")
+
+    with pytest.raises(HookError) as info:
+        async with HookBus() as bus:
+            bus.subscribe(BeforeStep, broken)
+            bus.start_service(_Recorder("svc", []))
+            await bus.publish(BeforeStep())
+    assert isinstance(info.value.__cause__, ValueError)

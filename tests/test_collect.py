@@ -1,0 +1,118 @@
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from recis_async import HookBus, add_metric, add_to_ml_tracker, add_to_trace
+from recis_async.events import AfterStep, BeforeStep, OutOfData
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_collected_values_attach_to_the_next_after_step_then_clear() -> None:
+    seen: list[AfterStep] = []
+    async with HookBus() as bus:
+        bus.subscribe(AfterStep, seen.append)
+        weights = torch.arange(6, dtype=torch.float32).reshape(3, 2)
+        add_metric("loss", torch.tensor(0.5))
+        add_to_trace("user_id", torch.tensor([1, 2, 3]))
+        add_to_trace("emb", weights)
+        add_to_ml_tracker("auc", np.float32(0.75))
+        add_to_ml_tracker("hist", torch.tensor([1.0, 2.0]))
+        weights.add_(100)  # in-place change after collection must not leak
+        await bus.publish(AfterStep(global_step=0, metrics={"lr": 0.1}))
+        await bus.publish(AfterStep(global_step=1))
+    first, second = seen
+    assert first.metrics == {"loss": 0.5, "lr": 0.1}
+    assert isinstance(first.trace["user_id"], np.ndarray)
+    assert first.trace["user_id"].tolist() == [1, 2, 3]
+    assert first.trace["emb"].tolist() == [[0, 1], [2, 3], [4, 5]]
+    assert first.tracked == {"auc": 0.75, "hist": [1.0, 2.0]}
+    assert second.metrics == {} and second.trace == {} and second.tracked == {}
+
+
+async def test_publisher_values_win_over_collected() -> None:
+    seen: list[AfterStep] = []
+    async with HookBus() as bus:
+        bus.subscribe(AfterStep, seen.append)
+        add_metric("loss", 1.0)
+        add_metric("acc", 0.9)
+        await bus.publish(AfterStep(metrics={"loss": 2.0}))
+    assert seen[0].metrics == {"loss": 2.0, "acc": 0.9}
+
+
+async def test_out_of_data_discards_the_unfinished_step() -> None:
+    seen: list[dict[str, Any]] = []
+    async with HookBus() as bus:
+        bus.subscribe(AfterStep, lambda e: seen.append(e.metrics))
+        await bus.publish(BeforeStep(global_step=0))
+        add_metric("loss", 3.0)
+        await bus.publish(OutOfData(global_step=0))
+        await bus.publish(BeforeStep(is_train=False))
+        await bus.publish(AfterStep(is_train=False))
+    assert seen == [{}]
+
+
+async def test_collectors_are_per_bus() -> None:
+    outer: list[dict[str, Any]] = []
+    inner: list[dict[str, Any]] = []
+    async with HookBus() as bus_a:
+        bus_a.subscribe(AfterStep, lambda e: outer.append(e.metrics))
+        add_metric("a", 1)
+        async with HookBus() as bus_b:
+            bus_b.subscribe(AfterStep, lambda e: inner.append(e.metrics))
+            add_metric("b", 2)
+            await bus_b.publish(AfterStep())
+        add_metric("c", 3)
+        await bus_a.publish(AfterStep())
+    assert inner == [{"b": 2}]
+    assert outer == [{"a": 1, "c": 3}]
+
+
+def test_collectors_need_an_open_bus() -> None:
+    for fn in (add_metric, add_to_trace, add_to_ml_tracker):
+        with pytest.raises(RuntimeError, match=rf"{fn.__name__}\(\) called with no HookBus open"):
+            fn("x", [1])
+
+
+async def test_collectors_refuse_bad_values_naming_the_type() -> None:
+    async with HookBus():
+        with pytest.raises(
+            ValueError,
+            match=r"add_to_trace\('user_id'\): expected a torch.Tensor, numpy.ndarray or list, got dict",
+        ):
+            add_to_trace("user_id", {"a": 1})
+        with pytest.raises(ValueError, match=r"got a scalar"):
+            add_to_trace("user_id", np.array(1.0))
+        with pytest.raises(ValueError, match=r"add_to_ml_tracker\('run'\): .* got str"):
+            add_to_ml_tracker("run", "fast")
+        with pytest.raises(
+            TypeError, match=r"add_metric\(name=...\): expected a non-empty str, got 3"
+        ):
+            add_metric(3, 1.0)  # type: ignore[arg-type]
+
+
+async def test_collectors_closed_after_the_block() -> None:
+    async with HookBus() as bus:
+        await bus.aclose()
+        with pytest.raises(RuntimeError, match="no HookBus open"):
+            add_metric("late", 1.0)
+
+
+async def test_switching_between_train_and_eval_drops_the_other_kinds_values() -> None:
+    seen: list[tuple[bool, dict[str, Any]]] = []
+    async with HookBus() as bus:
+        bus.subscribe(AfterStep, lambda e: seen.append((e.is_train, e.metrics)))
+        await bus.publish(BeforeStep(is_train=True))
+        await bus.publish(AfterStep(is_train=True))
+        add_metric("from_a_train_hook", 1.0)  # collected after the train step finished
+        await bus.publish(BeforeStep(is_train=False))
+        add_metric("eval_loss", 2.0)
+        await bus.publish(AfterStep(is_train=False))
+        await bus.publish(BeforeStep(is_train=False))
+        add_metric("next", 3.0)
+        await bus.publish(AfterStep(is_train=False))
+    assert seen == [(True, {}), (False, {"eval_loss": 2.0}), (False, {"next": 3.0})]

@@ -1,0 +1,278 @@
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import pytest
+import torch
+
+from recis_async import Hook, HookBus, Trainer, TrainingArguments
+from recis_async.events import AfterStep, Event, StepEvent
+
+pytestmark = pytest.mark.anyio
+
+
+class Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 1)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.linear(batch["x"]).squeeze(-1), batch["y"])
+
+
+def batches(n: int, size: int = 4, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = torch.randn(size, 3, generator=gen)
+        out.append({"x": x, "y": x.sum(dim=1)})
+    return out
+
+
+class Recorder(Hook):
+    """Records every event compactly: name[/e for eval](global_step,local_step,epoch)."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.steps: list[AfterStep] = []
+
+    def event(self, ev: Event) -> None:
+        name = type(ev).__name__ + ("" if ev.is_train else "/e")
+        if isinstance(ev, StepEvent):
+            name += f"({ev.global_step},{ev.local_step},{ev.epoch})"
+        if isinstance(ev, AfterStep):
+            self.steps.append(ev)
+        self.log.append(name)
+
+
+def make(data: Any, rec: Recorder, eval_data: Any = None, **kwargs: Any) -> tuple[Trainer, Model]:
+    model = Model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    args = TrainingArguments(**{"log_steps": 10, "save_steps": None, **kwargs})
+    trainer = Trainer(
+        model,
+        args,
+        train_dataset=data,
+        eval_dataset=eval_data,
+        hooks=[rec],
+        dense_optimizers=(opt, None),
+    )
+    return trainer, model
+
+
+def step(kind: str, g: int, l: int, e: int = 0) -> list[str]:
+    suffix = "" if kind == "t" else "/e"
+    names = ["BeforeStep", "AfterData"] + (["AfterBackward"] if kind == "t" else []) + ["AfterStep"]
+    return [f"{n}{suffix}({g},{l},{e})" for n in names]
+
+
+async def test_train_publishes_the_reference_order() -> None:
+    rec = Recorder()
+    trainer, _ = make(batches(2), rec, train_epoch=2)
+    await trainer.train()
+    expected = (
+        ["Start", "BeforeEpoch"]
+        + step("t", 0, 0)
+        + step("t", 1, 1)
+        + ["BeforeStep(2,2,0)", "OutOfData(2,2,0)", "AfterTrain", "AfterEpoch", "BeforeEpoch"]
+        + step("t", 2, 0, 1)
+        + step("t", 3, 1, 1)
+        + ["BeforeStep(4,2,1)", "OutOfData(4,2,1)", "AfterTrain", "AfterEpoch", "End"]
+    )
+    assert rec.log == expected
+    assert trainer.global_step == 4
+    assert all(s.samples == 4 and isinstance(s.metrics["loss"], float) for s in rec.steps)
+
+
+async def test_train_steps_runs_exactly_that_many() -> None:
+    rec = Recorder()
+    trainer, _ = make(batches(10), rec, train_steps=3, train_epoch=5)
+    await trainer.train()
+    assert [s.global_step for s in rec.steps] == [0, 1, 2]
+    assert rec.log[-3:] == ["AfterTrain", "AfterEpoch", "End"]
+    assert "OutOfData" not in " ".join(rec.log)
+
+
+async def test_evaluate_only_eval_values() -> None:
+    rec = Recorder()
+    trainer, _ = make(batches(2), rec, eval_data=batches(3, seed=1), eval_steps=2)
+    metrics = await trainer.evaluate()
+    assert rec.log == ["Start/e"] + step("e", 0, 0) + step("e", 0, 1) + ["AfterEval/e", "End"]
+    assert all(not s.is_train and set(s.metrics) == {"loss"} for s in rec.steps)
+    assert metrics["loss"] == pytest.approx(sum(s.metrics["loss"] for s in rec.steps) / 2)
+
+
+async def test_train_and_evaluate_interleaves_and_never_mixes_metrics() -> None:
+    rec = Recorder()
+    trainer, _ = make(batches(1), rec, eval_data=batches(1, seed=1), train_epoch=2)
+    leaky_rec = Recorder()
+    leaky, _ = make(batches(1), leaky_rec, eval_data=batches(1, seed=1), train_steps=1)
+
+    class Leaky(Hook):
+        def after_step(self, ev: AfterStep) -> None:
+            from recis_async import add_metric
+
+            if ev.is_train:
+                add_metric("train_only", 1.0)  # collected after this step: must not reach eval
+
+    leaky.hooks.append(Leaky())
+    await leaky.train_and_evaluate()
+    # train_steps=1 ends the epoch without OutOfData: the eval step follows the train step
+    assert leaky_rec.log[:7] == ["Start", "BeforeEpoch", *step("t", 0, 0), "AfterTrain"]
+    assert [s.metrics for s in leaky_rec.steps if not s.is_train] == [
+        {"loss": pytest.approx(leaky_rec.steps[-1].metrics["loss"])}
+    ]
+    await trainer.train_and_evaluate()
+    expected = (
+        ["Start", "BeforeEpoch"]
+        + step("t", 0, 0)
+        + ["BeforeStep(1,1,0)", "OutOfData(1,1,0)", "AfterTrain"]
+        + step("e", 1, 0)
+        + ["BeforeStep/e(1,1,0)", "OutOfData/e(1,1,0)", "AfterEval/e", "AfterEpoch", "BeforeEpoch"]
+        + step("t", 1, 0, 1)
+        + ["BeforeStep(2,1,1)", "OutOfData(2,1,1)", "AfterTrain"]
+        + step("e", 2, 0, 1)
+        + ["BeforeStep/e(2,1,1)", "OutOfData/e(2,1,1)", "AfterEval/e", "AfterEpoch", "End"]
+    )
+    assert rec.log == expected
+
+
+class Windows:
+    def __init__(self, parts: list[list[dict[str, torch.Tensor]]]) -> None:
+        self.parts = parts
+
+    def windows(self) -> Iterable[Iterable[dict[str, torch.Tensor]]]:
+        return iter(self.parts)
+
+
+async def test_windowed_dataset_gets_window_events() -> None:
+    rec = Recorder()
+    data = Windows([batches(1), batches(1, seed=2)])
+    trainer, _ = make(data, rec)
+    await trainer.train()
+    expected = (
+        ["Start", "WindowMode", "BeforeEpoch", "BeforeWindow"]
+        + step("t", 0, 0)
+        + ["BeforeStep(1,1,0)", "OutOfData(1,1,0)", "AfterTrain", "AfterWindow", "BeforeWindow"]
+        + step("t", 1, 0)
+        + [
+            "BeforeStep(2,1,0)",
+            "OutOfData(2,1,0)",
+            "AfterTrain",
+            "AfterWindow",
+            "AfterEpoch",
+            "End",
+        ]
+    )
+    assert rec.log == expected
+
+
+async def test_stop_request_is_honoured_at_the_step_boundary() -> None:
+    rec = Recorder()
+
+    class StopAt2(Hook):
+        def after_step(self, ev: AfterStep) -> None:
+            if ev.global_step == 1:
+                self.bus.request_stop("enough")
+
+        def attach(self, bus: HookBus) -> None:
+            self.bus = bus
+
+    trainer, _ = make(batches(10), rec, train_epoch=3)
+    trainer.hooks.append(StopAt2())
+    await trainer.train()
+    assert [s.global_step for s in rec.steps] == [0, 1]
+    assert rec.log[-4:] == ["AfterStep(1,1,0)", "AfterTrain", "AfterEpoch", "End"]
+
+
+async def test_hooks_never_advance_the_step_and_training_learns() -> None:
+    rec = Recorder()
+    trainer, model = make(batches(50), rec)
+    before = [p.detach().clone() for p in model.parameters()]
+    await trainer.train()
+    assert [s.global_step for s in rec.steps] == list(range(50))
+    assert rec.steps[-1].metrics["loss"] < rec.steps[0].metrics["loss"]
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+async def test_gradient_accumulation_steps_the_optimizer_every_k() -> None:
+    updates: list[int] = []
+
+    class CountingSGD(torch.optim.SGD):
+        def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+            updates.append(1)
+            return super().step(closure)
+
+    model = Model()
+    opt = CountingSGD(model.parameters(), lr=0.01)
+    args = TrainingArguments(gradient_accumulation_steps=3, save_steps=None)
+    await Trainer(model, args, train_dataset=batches(7), dense_optimizers=(opt, None)).train()
+    assert len(updates) == 3  # after steps 3 and 6, plus the leftover of step 7
+
+
+async def test_trainer_uses_a_given_open_bus_and_end_once() -> None:
+    rec = Recorder()
+    trainer, _ = make(batches(1), rec, eval_data=batches(1))
+    async with HookBus() as bus:
+        trainer.bus = bus
+        await trainer.train()
+        await trainer.evaluate()
+        assert "End" not in rec.log
+    assert rec.log.count("End") == 1 and rec.log[-1] == "End"
+
+
+async def test_body_error_from_model_ends_failed() -> None:
+    rec = Recorder()
+
+    class Broken(Model):
+        def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            raise FloatingPointError("diverged")
+
+    model = Broken()
+    trainer = Trainer(
+        model,
+        TrainingArguments(save_steps=None),
+        train_dataset=batches(2),
+        hooks=[rec],
+        dense_optimizers=(torch.optim.SGD(model.parameters(), 0.1), None),
+    )
+    with pytest.raises(FloatingPointError, match="diverged"):
+        await trainer.train()
+    assert rec.log[-4:] == ["BeforeStep(0,0,0)", "AfterData(0,0,0)", "Error", "End"]
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(
+        ValueError, match=r"TrainingArguments.train_steps: expected a positive int or None, got 0"
+    ):
+        TrainingArguments(train_steps=0)
+    with pytest.raises(
+        ValueError,
+        match=r"TrainingArguments.gradient_accumulation_steps: expected a positive int, got -1",
+    ):
+        TrainingArguments(gradient_accumulation_steps=-1)
+    with pytest.raises(TypeError, match=r"Trainer\(hooks\[0\]\): expected a Hook"):
+        Trainer(Model(), hooks=[print])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"Trainer\(train_dataset=...\): expected an iterable"):
+        Trainer(Model(), train_dataset=3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"dense_optimizers"):
+        Trainer(Model(), dense_optimizers=None)  # type: ignore[arg-type]
+
+
+async def test_non_scalar_loss_is_refused_naming_the_shape() -> None:
+    class Vector(Model):
+        def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            return self.linear(batch["x"])
+
+    model = Vector()
+    trainer = Trainer(
+        model,
+        TrainingArguments(save_steps=None),
+        train_dataset=batches(1),
+        dense_optimizers=(torch.optim.SGD(model.parameters(), 0.1), None),
+    )
+    with pytest.raises(
+        TypeError, match=r"expected the scalar loss tensor, got a tensor of shape \(4, 1\)"
+    ):
+        await trainer.train()
