@@ -13,8 +13,14 @@ import anyio
 import msgspec
 import pytest
 
-from recis_async.trackers import JsonlTracker, RunSpec, StepRecord, TrackerError, TrackerService
-from recis_async.trackers import read_records
+from recis_async.trackers import (
+    JsonlTracker,
+    RunSpec,
+    StepRecord,
+    TrackerError,
+    TrackerService,
+    read_records,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -22,8 +28,14 @@ pytestmark = pytest.mark.anyio
 class FaultyTracker(JsonlTracker):
     """A real JsonlTracker with injected faults and an optional gate on ``log``."""
 
-    def __init__(self, root: Path, *, fail_calls: Sequence[int] = (), fail_start: bool = False,
-                 gate: threading.Event | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        fail_calls: Sequence[int] = (),
+        fail_start: bool = False,
+        gate: threading.Event | None = None,
+    ) -> None:
         super().__init__(root)
         self.fail_calls = set(fail_calls)
         self.fail_start = fail_start
@@ -75,8 +87,12 @@ async def _until(cond: Callable[[], bool]) -> None:
 
 def _service(tracker: JsonlTracker, tmp_path: Path, **kw: Any) -> TrackerService:
     kw.setdefault("flush_interval", 0)
-    return TrackerService(tracker, RunSpec(project="p", name="n", params={"lr": 0.1}),
-                          spill_dir=tmp_path / "spill", **kw)
+    return TrackerService(
+        tracker,
+        RunSpec(project="p", name="n", params={"lr": 0.1}),
+        spill_dir=tmp_path / "spill",
+        **kw,
+    )
 
 
 async def test_delivers_everything_in_order(tmp_path: Path) -> None:

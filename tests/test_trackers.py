@@ -41,8 +41,14 @@ def _records(n: int, start: int = 0) -> list[StepRecord]:
 
 def test_check_metric_name_accepts_and_refuses() -> None:
     assert check_metric_name("train/loss: a-b.c d") == "train/loss: a-b.c d"
-    for bad, needle in [("", "1..250"), ("a" * 251, "1..250"), ("loss!", "letters"),
-                        ("a//b", "normalised"), ("/abs", "normalised"), ("../x", "normalised")]:
+    for bad, needle in [
+        ("", "1..250"),
+        ("a" * 251, "1..250"),
+        ("loss!", "letters"),
+        ("a//b", "normalised"),
+        ("/abs", "normalised"),
+        ("../x", "normalised"),
+    ]:
         with pytest.raises(ValueError, match=needle):
             check_metric_name(bad, where="tracked key")
     with pytest.raises(TypeError, match="expected str, got int"):
@@ -51,7 +57,11 @@ def test_check_metric_name_accepts_and_refuses() -> None:
 
 def test_flatten_params_nests_and_names_bad_keys() -> None:
     assert flatten_params({"opt": {"lr": 0.1, "betas": [0.9, 0.99]}, "bs": 32, "empty": {}}) == {
-        "opt.lr": 0.1, "opt.betas": [0.9, 0.99], "bs": 32, "empty": {}}
+        "opt.lr": 0.1,
+        "opt.betas": [0.9, 0.99],
+        "bs": 32,
+        "empty": {},
+    }
     with pytest.raises(ValueError, match=r"config key.*'opt\.l\$r'"):
         flatten_params({"opt": {"l$r": 1}})
     with pytest.raises(TypeError, match="keys must be str, got int"):
@@ -73,7 +83,11 @@ def test_jsonl_roundtrip(tmp_path: Path) -> None:
     params = msgspec.json.decode((tracker.run_dir / "params.json").read_bytes())
     assert params == {"lr": 0.1, "layers": [64, 32]}
     info = msgspec.json.decode((tracker.run_dir / "run.json").read_bytes())
-    assert info["status"] == "ok" and info["name"] == "run 7" and info["end_time"] >= info["start_time"]
+    assert (
+        info["status"] == "ok"
+        and info["name"] == "run 7"
+        and info["end_time"] >= info["start_time"]
+    )
 
     back = read_records(tracker.run_dir / "metrics.jsonl")
     assert [r.step for r in back] == list(range(50)) + [99]
@@ -144,8 +158,9 @@ def test_mlflow_run_status(mlflow_store: tuple[str, str], status: str, expected:
 def test_mlflow_metrics_params_arrays(mlflow_store: tuple[str, str], tmp_path: Path) -> None:
     uri, artifacts = mlflow_store
     tracker = MlflowTracker(uri, artifact_location=artifacts)
-    params = flatten_params({"opt": {"lr": 0.01}, "bs": 512, "note": "x" * 7000,
-                             **{f"p{i}": i for i in range(150)}})
+    params = flatten_params(
+        {"opt": {"lr": 0.01}, "bs": 512, "note": "x" * 7000, **{f"p{i}": i for i in range(150)}}
+    )
     tracker.start(RunSpec(project="ctr", name="metrics", params=params))
     records = _records(1200)
     wide = StepRecord(5000, time.time(), {f"w{i}": float(i) for i in range(2500)})
@@ -180,15 +195,18 @@ def test_mlflow_resume_run(mlflow_store: tuple[str, str]) -> None:
     first.finish("preempted")
     assert first.run_id is not None
     second = MlflowTracker(uri)
-    second.start(RunSpec(project="resume", name="r", run_id=first.run_id,
-                         params={"lr": 0.2, "extra": 1}))
+    second.start(
+        RunSpec(project="resume", name="r", run_id=first.run_id, params={"lr": 0.2, "extra": 1})
+    )
     second.log(_records(10, start=10))
     second.finish("ok")
     client = MlflowClient(uri)
     run = client.get_run(first.run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params == {"lr": "0.1", "extra": "1"}  # MLflow params are immutable
-    assert sorted(m.step for m in client.get_metric_history(first.run_id, "loss")) == list(range(20))
+    assert sorted(m.step for m in client.get_metric_history(first.run_id, "loss")) == list(
+        range(20)
+    )
 
 
 def test_mlflow_repr_hides_uri() -> None:
@@ -201,8 +219,13 @@ def test_mlflow_repr_hides_uri() -> None:
 
 def _accumulator(path: Path) -> event_accumulator.EventAccumulator:
     acc = event_accumulator.EventAccumulator(
-        str(path), size_guidance={event_accumulator.SCALARS: 0, event_accumulator.HISTOGRAMS: 0,
-                                  event_accumulator.TENSORS: 0})
+        str(path),
+        size_guidance={
+            event_accumulator.SCALARS: 0,
+            event_accumulator.HISTOGRAMS: 0,
+            event_accumulator.TENSORS: 0,
+        },
+    )
     acc.Reload()
     return acc
 
@@ -214,8 +237,9 @@ def _session_status(acc: event_accumulator.EventAccumulator) -> int:
 
 def test_tensorboard_scalars_histograms_hparams(tmp_path: Path) -> None:
     tracker = TensorBoardTracker(tmp_path)
-    tracker.start(RunSpec(project="ctr", name="tb run", params={"lr": 0.1, "deep": True,
-                                                                 "dims": [4, 2]}))
+    tracker.start(
+        RunSpec(project="ctr", name="tb run", params={"lr": 0.1, "deep": True, "dims": [4, 2]})
+    )
     records = _records(30)
     tracker.log(records)
     tracker.log([StepRecord(40, 3.0, {"emb": np.arange(100.0), "empty": np.zeros(0)})])
@@ -225,21 +249,29 @@ def test_tensorboard_scalars_histograms_hparams(tmp_path: Path) -> None:
     acc = _accumulator(tmp_path / "tb_run")
     loss = acc.Scalars("loss")
     assert [e.step for e in loss] == list(range(30))
-    assert loss[3].value == pytest.approx(0.25) and loss[3].wall_time == pytest.approx(records[3].time)
+    assert loss[3].value == pytest.approx(0.25) and loss[3].wall_time == pytest.approx(
+        records[3].time
+    )
     hist = acc.Histograms("emb")
     assert len(hist) == 1 and hist[0].step == 40
     assert hist[0].histogram_value.num == 100 and hist[0].histogram_value.max == 99.0
     assert "empty" not in acc.Tags()["histograms"]
     start = plugin_data_pb2.HParamsPluginData.FromString(
-        acc.PluginTagToContent("hparams")["_hparams_/session_start_info"]).session_start_info
+        acc.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    ).session_start_info
     assert start.hparams["lr"].number_value == 0.1 and start.hparams["deep"].bool_value is True
     assert start.hparams["dims"].string_value == "[4, 2]"
     assert _session_status(acc) == api_pb2.STATUS_SUCCESS
 
 
-@pytest.mark.parametrize(("status", "code"), [("failed", api_pb2.STATUS_FAILURE),
-                                              ("cancelled", api_pb2.STATUS_UNKNOWN),
-                                              ("preempted", api_pb2.STATUS_UNKNOWN)])
+@pytest.mark.parametrize(
+    ("status", "code"),
+    [
+        ("failed", api_pb2.STATUS_FAILURE),
+        ("cancelled", api_pb2.STATUS_UNKNOWN),
+        ("preempted", api_pb2.STATUS_UNKNOWN),
+    ],
+)
 def test_tensorboard_status(tmp_path: Path, status: str, code: int) -> None:
     tracker = TensorBoardTracker(tmp_path, subdir=False)
     tracker.start(RunSpec(project="p", name="n", params={"a": 1}))

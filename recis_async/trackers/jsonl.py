@@ -89,7 +89,9 @@ class JsonlTracker:
             info = msgspec.json.decode(info_path.read_bytes(), type=RunInfo)
             info.status, info.end_time = "running", None
         else:
-            info = RunInfo(project=run.project, name=run.name, run_id=run_id, start_time=time.time())
+            info = RunInfo(
+                project=run.project, name=run.name, run_id=run_id, start_time=time.time()
+            )
         self._write_atomic(run_dir / "params.json", self._encoder.encode(run.params))
         self._write_atomic(info_path, self._encoder.encode(info))
         self._metrics = open(run_dir / "metrics.jsonl", "ab")

@@ -63,7 +63,8 @@ def metric_requests(metrics: Sequence[Any]) -> list[list[Any]]:
     size = 0
     for metric in metrics:
         nbytes = len(metric.key.encode()) + _METRIC_OVERHEAD_BYTES
-        if current and (len(current) >= MAX_METRICS_PER_REQUEST or size + nbytes > MAX_REQUEST_BYTES):
+        full = len(current) >= MAX_METRICS_PER_REQUEST or size + nbytes > MAX_REQUEST_BYTES
+        if current and full:
             requests.append(current)
             current, size = [], 0
         current.append(metric)
@@ -119,7 +120,9 @@ class MlflowTracker:
             if len(text) > MAX_PARAM_VALUE_CHARS:
                 log.warning(
                     "MlflowTracker: param %r is %d characters; MLflow keeps %d, the rest is cut",
-                    key, len(text), MAX_PARAM_VALUE_CHARS,
+                    key,
+                    len(text),
+                    MAX_PARAM_VALUE_CHARS,
                 )
                 text = text[:MAX_PARAM_VALUE_CHARS]
             if key in old_params:
@@ -127,7 +130,10 @@ class MlflowTracker:
                     log.warning(
                         "MlflowTracker: resumed run %s already has param %r=%r; "
                         "MLflow params are immutable, keeping it (new value %r not logged)",
-                        run_id, key, old_params[key], text,
+                        run_id,
+                        key,
+                        old_params[key],
+                        text,
                     )
                 continue
             params.append(Param(key, text))

@@ -31,12 +31,32 @@ import msgspec
 from ..events import EndStatus
 from .base import RunSpec, StepRecord, Tracker, encode_value, record_nbytes
 
-__all__ = ["TrackerService", "TrackerError", "OnError"]
+__all__ = ["TrackerService", "TrackerError", "OnError", "check_settings"]
 
 log = logging.getLogger(__name__)
 
 OnError = Literal["raise", "log", "disable"]
 _ON_ERROR = ("raise", "log", "disable")
+
+
+def check_settings(
+    max_buffer_bytes: object, flush_interval: object, on_error: object, *, owner: str
+) -> None:
+    """Validate service settings, naming ``owner`` in the error (used by hooks' constructors)."""
+    if type(max_buffer_bytes) is not int or max_buffer_bytes <= 0:
+        raise ValueError(
+            f"{owner}.max_buffer_bytes: expected a positive int, got {max_buffer_bytes!r}"
+        )
+    if (
+        isinstance(flush_interval, bool)
+        or not isinstance(flush_interval, int | float)
+        or not flush_interval >= 0
+    ):
+        raise ValueError(f"{owner}.flush_interval: expected seconds >= 0, got {flush_interval!r}")
+    if on_error not in _ON_ERROR:
+        raise ValueError(
+            f"{owner}.on_error: expected one of {', '.join(_ON_ERROR)}, got {on_error!r}"
+        )
 
 
 class TrackerError(RuntimeError):
@@ -58,26 +78,17 @@ class TrackerService:
         spill_dir: str | os.PathLike[str] | None = None,
         default_status: EndStatus = "cancelled",
     ) -> None:
-        if type(max_buffer_bytes) is not int or max_buffer_bytes <= 0:
-            raise ValueError(
-                f"TrackerService.max_buffer_bytes: expected a positive int, got {max_buffer_bytes!r}"
-            )
-        if not isinstance(flush_interval, (int, float)) or not flush_interval >= 0:
-            raise ValueError(
-                f"TrackerService.flush_interval: expected seconds >= 0, got {flush_interval!r}"
-            )
-        if on_error not in _ON_ERROR:
-            raise ValueError(
-                f"TrackerService.on_error: expected one of {', '.join(_ON_ERROR)}, got {on_error!r}"
-            )
+        check_settings(max_buffer_bytes, flush_interval, on_error, owner="TrackerService")
         self.name = name
         self.tracker = tracker
         self.run_spec = run
         self.max_buffer_bytes = max_buffer_bytes
         self.flush_interval = float(flush_interval)
         self.on_error: OnError = on_error
-        self.spill_dir = Path(spill_dir) if spill_dir is not None else Path(
-            tempfile.gettempdir(), "recis_async_spill"
+        self.spill_dir = (
+            Path(spill_dir)
+            if spill_dir is not None
+            else Path(tempfile.gettempdir(), "recis_async_spill")
         )
         self.spill_path: Path | None = None
         self._status: EndStatus = default_status
@@ -94,14 +105,25 @@ class TrackerService:
         self._disabled = False
         self._limiter = anyio.CapacityLimiter(1)
         self._encoder = msgspec.json.Encoder(enc_hook=encode_value)
-        self._counts = {"records": 0, "logged": 0, "batches": 0, "errors": 0, "spilled": 0,
-                        "dropped": 0}
+        self._counts = {
+            "records": 0,
+            "logged": 0,
+            "batches": 0,
+            "errors": 0,
+            "spilled": 0,
+            "dropped": 0,
+        }
 
     # ----------------------------------------------------------------- producer side
 
     def set_status(self, status: EndStatus) -> None:
         """The status the run finishes with (from ``End.status``)."""
         self._status = status
+
+    @property
+    def accepting(self) -> bool:
+        """Whether :meth:`put` takes records (not closing, not failed)."""
+        return not self._closing and self._failure is None
 
     async def put(self, record: StepRecord) -> None:
         """Buffer one record; waits while the buffer holds ``max_buffer_bytes``."""
@@ -181,8 +203,13 @@ class TrackerService:
                 await self._spill(batch)
                 self._clear_inflight()
                 if self.on_error == "log":
-                    log.error("%s: tracker.log failed; %d records spilled to %s",
-                              self.name, len(batch), self.spill_path, exc_info=exc)
+                    log.error(
+                        "%s: tracker.log failed; %d records spilled to %s",
+                        self.name,
+                        len(batch),
+                        self.spill_path,
+                        exc_info=exc,
+                    )
                     continue
                 await self._give_up(exc, "log")
                 if self.on_error == "raise":
@@ -216,15 +243,20 @@ class TrackerService:
             self._disabled = True
             log.error(
                 "%s: tracker.%s failed; tracking is disabled, buffered records are in %s and "
-                "later records are dropped", self.name, call, self.spill_path, exc_info=exc,
+                "later records are dropped",
+                self.name,
+                call,
+                self.spill_path,
+                exc_info=exc,
             )
         self._notify()
         if self._started:
             try:
                 await self._in_thread(self.tracker.finish, "failed")
             except Exception:
-                log.warning("%s: tracker.finish after a failure also failed", self.name,
-                            exc_info=True)
+                log.warning(
+                    "%s: tracker.finish after a failure also failed", self.name, exc_info=True
+                )
 
     async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await anyio.to_thread.run_sync(
@@ -283,8 +315,11 @@ class TrackerService:
         raise error(
             f"{self.name}: the tracker {reason}; {len(pending)} unsent records spilled to "
             f"{self.spill_path}"
-            + (f", {len(inflight)} in-flight records (delivery unknown) beside it"
-               if inflight else "")
+            + (
+                f", {len(inflight)} in-flight records (delivery unknown) beside it"
+                if inflight
+                else ""
+            )
         )
 
     def stats(self) -> Mapping[str, Any]:

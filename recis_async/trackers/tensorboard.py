@@ -3,8 +3,9 @@
 Scalars become scalar summaries, arrays histograms, both at the record's step and wall
 time.  Params are written once as an HParams session (so TensorBoard's HParams dashboard
 lists the run) and as a ``params`` text table; :meth:`finish` closes the session with the
-run's status (and a ``status`` text summary with End.status).  Writing goes through ``torch.utils.tensorboard.SummaryWriter``, which needs
-the ``tensorboard`` package (the optional extra), imported when the tracker is built.
+run's status (and a ``status`` text summary with End.status).  Writing goes through
+``torch.utils.tensorboard.SummaryWriter``, which needs the ``tensorboard`` package (the
+optional extra), imported when the tracker is built.
 """
 
 from __future__ import annotations
@@ -89,8 +90,9 @@ class TensorBoardTracker:
             from tensorboard.plugins.hparams import metadata, plugin_data_pb2
 
             hparams = params_for_text(run.params)
-            info = plugin_data_pb2.SessionStartInfo(group_name=run.project,
-                                                    start_time_secs=time.time())
+            info = plugin_data_pb2.SessionStartInfo(
+                group_name=run.project, start_time_secs=time.time()
+            )
             for key, value in hparams.items():
                 if isinstance(value, bool):
                     info.hparams[key].bool_value = value
@@ -98,10 +100,12 @@ class TensorBoardTracker:
                     info.hparams[key].number_value = value
                 else:
                     info.hparams[key].string_value = value
-            writer._get_file_writer().add_summary(_hparams_summary(
-                metadata.SESSION_START_INFO_TAG,
-                plugin_data_pb2.HParamsPluginData(session_start_info=info),
-            ))
+            writer._get_file_writer().add_summary(
+                _hparams_summary(
+                    metadata.SESSION_START_INFO_TAG,
+                    plugin_data_pb2.HParamsPluginData(session_start_info=info),
+                )
+            )
             table = "| param | value |\n|---|---|\n" + "\n".join(
                 f"| {k} | {v} |" for k, v in hparams.items()
             )
@@ -122,8 +126,9 @@ class TensorBoardTracker:
                             self._warned_empty.add(key)
                             log.warning(
                                 "TensorBoardTracker: %r is an empty array at step %d; "
-                                "a histogram needs values, this and later empty ones are not written",
-                                key, record.step,
+                                "a histogram needs values; this and later empty ones are skipped",
+                                key,
+                                record.step,
                             )
                         continue
                     writer.add_histogram(key, value, global_step=record.step, walltime=record.time)
@@ -148,10 +153,12 @@ class TensorBoardTracker:
                     "failed": api_pb2.STATUS_FAILURE,
                 }.get(status, api_pb2.STATUS_UNKNOWN)
                 end = plugin_data_pb2.SessionEndInfo(status=code, end_time_secs=time.time())
-                writer._get_file_writer().add_summary(_hparams_summary(
-                    metadata.SESSION_END_INFO_TAG,
-                    plugin_data_pb2.HParamsPluginData(session_end_info=end),
-                ))
+                writer._get_file_writer().add_summary(
+                    _hparams_summary(
+                        metadata.SESSION_END_INFO_TAG,
+                        plugin_data_pb2.HParamsPluginData(session_end_info=end),
+                    )
+                )
             writer.add_text("status", status)
         finally:
             writer.close()
