@@ -66,7 +66,9 @@ class JobQueue(Generic[T]):
 
     async def run(self) -> None:
         try:
-            with anyio.CancelScope() as self._scope:
+            # Shielded: cancelling the code around the bus must not drop queued jobs; aclose
+            # decides when this stops, under the bus's deadline.
+            with anyio.CancelScope(shield=True) as self._scope:
                 async with self._receive:
                     async for job in self._receive:
                         if self._disabled:
@@ -98,12 +100,14 @@ class JobQueue(Generic[T]):
     async def aclose(self, deadline: float) -> None:
         """Stop intake, finish the queued jobs, return by ``deadline``."""
         self._send.close()
-        with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
-            await self._done.wait()
+        try:
+            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+                await self._done.wait()
+        finally:
+            if not self._done.is_set() and self._scope is not None:
+                self._scope.cancel()  # run() is shielded: stop it here whatever happens
         if self._done.is_set():
             return
-        if self._scope is not None:
-            self._scope.cancel()
         left = self._receive.statistics().current_buffer_used
         raise TimeoutError(
             f"{self.name}: {left + (self._current is not None)} jobs were not finished by the "

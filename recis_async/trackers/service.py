@@ -167,7 +167,9 @@ class TrackerService:
         if self._done is None:
             self._done = anyio.Event()
         try:
-            with anyio.CancelScope() as self._scope:
+            # Shielded: cancelling the code around the bus must not cut delivery short; the
+            # bus's close (``aclose``) decides when this stops, under its deadline.
+            with anyio.CancelScope(shield=True) as self._scope:
                 await self._serve()
         finally:
             self._done.set()
@@ -294,11 +296,13 @@ class TrackerService:
         self._notify()
         if self._done is None:
             self._done = anyio.Event()
-        with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
-            await self._done.wait()
+        try:
+            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+                await self._done.wait()
+        finally:
+            if not self._done.is_set() and self._scope is not None:
+                self._scope.cancel()  # run() is shielded: stop it here whatever happens
         timed_out = not self._done.is_set()
-        if timed_out and self._scope is not None:
-            self._scope.cancel()
         pending = [record for record, _ in self._pending]
         inflight = list(self._inflight)
         if not timed_out and not pending and not inflight:
