@@ -151,6 +151,8 @@ async def test_on_a_bus_with_add_metric(caplog: pytest.LogCaptureFixture) -> Non
 
 def test_log_step_validation() -> None:
     for bad in (0, -3, 2.5, True, "10"):
-        with pytest.raises(ValueError, match=f"LoggerHook.log_step: expected a positive int, got {bad!r}"):
+        with pytest.raises(
+            ValueError, match=f"LoggerHook.log_step: expected a positive int, got {bad!r}"
+        ):
             LoggerHook(log_step=bad)  # type: ignore[arg-type]
     assert LoggerHook.rank_zero_only is True

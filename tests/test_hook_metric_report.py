@@ -147,9 +147,13 @@ async def test_scan_failure_raises_hook_error() -> None:
 
 def test_validation() -> None:
     for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="ReportArguments.interval_step: expected a positive int"):
+        with pytest.raises(
+            ValueError, match="ReportArguments.interval_step: expected a positive int"
+        ):
             ReportArguments(interval_step=bad)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="MetricReportHook.model: expected a torch.nn.Module, got str"):
+    with pytest.raises(
+        TypeError, match="MetricReportHook.model: expected a torch.nn.Module, got str"
+    ):
         MetricReportHook("model")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="report_args: expected ReportArguments, got dict"):
         MetricReportHook(torch.nn.Linear(1, 1), {"interval_step": 3})  # type: ignore[arg-type]

@@ -174,8 +174,9 @@ async def test_tensorboard_tracker_through_hook(tmp_path: Path) -> None:
 
 async def test_tracker_failure_raise_surfaces_hook_error(tmp_path: Path) -> None:
     tracker = FlakyJsonl(tmp_path, fail_calls=[2])
-    hook = MLTrackerHook("p", "flaky", {}, tracker=tracker, flush_interval=0,
-                         spill_dir=tmp_path / "spill")
+    hook = MLTrackerHook(
+        "p", "flaky", {}, tracker=tracker, flush_interval=0, spill_dir=tmp_path / "spill"
+    )
     published = 0
     with pytest.raises(HookError) as info:
         async with HookBus() as bus:
@@ -202,8 +203,15 @@ async def test_tracker_failure_log_or_disable(
     tmp_path: Path, mode: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     tracker = FlakyJsonl(tmp_path, fail_calls=[1])
-    hook = MLTrackerHook("p", mode, {}, tracker=tracker, flush_interval=0, on_error=mode,  # type: ignore[arg-type]
-                         spill_dir=tmp_path / "spill")
+    hook = MLTrackerHook(
+        "p",
+        mode,
+        {},
+        tracker=tracker,
+        flush_interval=0,
+        on_error=mode,  # type: ignore[arg-type]
+        spill_dir=tmp_path / "spill",
+    )
     async with HookBus() as bus:
         bus.add_hook(hook)
         await bus.publish(AfterStep(global_step=0, tracked={"loss": 0.0}))

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from .base import RunSpec, StepRecord, Tracker, check_metric_name, flatten_params
 from .jsonl import JsonlTracker, read_records
 from .service import TrackerError, TrackerService
+from .subprocess import SubprocessTracker
 
 if TYPE_CHECKING:
     from .mlflow import MlflowTracker
@@ -23,6 +24,7 @@ __all__ = [
     "JsonlTracker",
     "MlflowTracker",
     "TensorBoardTracker",
+    "SubprocessTracker",
     "TrackerService",
     "TrackerError",
     "read_records",

@@ -94,7 +94,10 @@ def check_metric_name(name: object, *, where: str = "metric name") -> str:
 
 
 def flatten_params(config: Mapping[str, Any], *, where: str = "config") -> dict[str, Any]:
-    """Flatten nested mappings into ``a.b.c`` keys; leaves stay as given.
+    """Flatten nested mappings into ``a.b.c`` keys.
+
+    Leaves that are JSON values (str, numbers, bools, None, lists of those) stay as given;
+    anything else (paths, dtypes, objects) is stored as its ``str``.
 
     Keys are validated with :func:`check_metric_name` so a bad key fails here, at
     construction, and not in a background flush.
@@ -113,10 +116,23 @@ def flatten_params(config: Mapping[str, Any], *, where: str = "config") -> dict[
                 walk(full, value)
             else:
                 check_metric_name(full, where=f"{where} key")
-                out[full] = value
+                out[full] = _plain(value)
 
     walk("", config)
     return out
+
+
+def _plain(value: Any) -> Any:
+    """A param value every store can encode: JSON scalars and lists stay, others become str."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, np.generic):
+        return value.item()
+    return str(value)
 
 
 def to_tracked_value(name: str, value: object, *, where: str) -> float | np.ndarray:
