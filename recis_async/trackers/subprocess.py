@@ -141,7 +141,7 @@ class SubprocessTracker:
         return None if self._proc is None else int(self._proc.pid)
 
     def start(self, run: RunSpec) -> None:
-        ctx = multiprocessing.get_context(self.start_method)
+        ctx: Any = multiprocessing.get_context(self.start_method)
         parent, child = ctx.Pipe()
         proc = ctx.Process(
             target=_serve, args=(child, self._factory), daemon=True, name="recis_async-tracker"
