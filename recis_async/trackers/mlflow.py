@@ -17,8 +17,9 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO, Any
+from urllib.parse import urlsplit
 
 import msgspec
 import numpy as np
@@ -99,7 +100,33 @@ class MlflowTracker:
         # The URI may carry user:password for an http server; never show it.
         return f"MlflowTracker(run_id={self.run_id!r})"
 
+    def _scrubbed(self, fn: Callable[..., None], *args: Any) -> None:
+        """Call ``fn``; errors are re-raised with the tracking URI's password masked (the
+        clients quote request URLs in their messages)."""
+        secret = urlsplit(self.tracking_uri or "").password
+        if not secret:
+            fn(*args)
+            return
+        try:
+            fn(*args)
+            return
+        except Exception as exc:
+            error = RuntimeError(
+                f"MlflowTracker: {type(exc).__name__}: {exc}".replace(secret, "***")
+            )
+        # Raised outside the handler so the original is not even its __context__.
+        raise error
+
     def start(self, run: RunSpec) -> None:
+        self._scrubbed(self._start, run)
+
+    def log(self, records: Sequence[StepRecord]) -> None:
+        self._scrubbed(self._log, records)
+
+    def finish(self, status: EndStatus) -> None:
+        self._scrubbed(self._finish, status)
+
+    def _start(self, run: RunSpec) -> None:
         from mlflow import MlflowClient
         from mlflow.entities import Param
 
@@ -154,7 +181,7 @@ class MlflowTracker:
                 raise
             return str(found.experiment_id)
 
-    def log(self, records: Sequence[StepRecord]) -> None:
+    def _log(self, records: Sequence[StepRecord]) -> None:
         from mlflow.entities import Metric
 
         if self._client is None or self.run_id is None:
@@ -187,7 +214,7 @@ class MlflowTracker:
         self._arrays.write(buf)
         self._arrays.flush()
 
-    def finish(self, status: EndStatus) -> None:
+    def _finish(self, status: EndStatus) -> None:
         if self._client is None or self.run_id is None:
             return
         try:
