@@ -247,13 +247,9 @@ def section_tracker(args: argparse.Namespace) -> bool:
                 assert hook.service is not None
                 return hook.service.stats()
 
-            async def drain() -> None:
-                while stats()["queued_records"]:
-                    await anyio.sleep(0.005)
-
             async with HookBus() as bus:
                 bus.add_hook(hook)
-                yield Session(bus, track, drain, lambda: stats()["batches"] > 0)
+                yield Session(bus, track, hook.flush, lambda: stats()["batches"] > 0)
             closes.append(stats())
 
         return session

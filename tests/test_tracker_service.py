@@ -249,3 +249,18 @@ def test_constructor_validates(tmp_path: Path) -> None:
         TrackerService(tracker, run, flush_interval=-1)
     with pytest.raises(ValueError, match="on_error: expected one of raise, log, disable, got 'x'"):
         TrackerService(tracker, run, on_error="x")  # type: ignore[arg-type]
+
+
+async def test_flush_sends_now(tmp_path: Path) -> None:
+    tracker = FaultyTracker(tmp_path)
+    service = _service(tracker, tmp_path, flush_interval=3600)  # would otherwise wait an hour
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(service.run)
+        for step in range(10):
+            await service.put(_record(step))
+        with anyio.fail_after(10):
+            await service.flush()
+        assert _delivered(tracker) == list(range(10))
+        assert service.stats()["batches"] == 1
+        service.set_status("ok")
+        await service.aclose(anyio.current_time() + 10)

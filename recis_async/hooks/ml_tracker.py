@@ -129,6 +129,11 @@ class MLTrackerHook(Hook):
             raise TypeError(f"MLTrackerHook.log_metrics(step=...): expected int, got {step!r}")
         await self._put(step, values, "log_metrics(values)", prefix)
 
+    async def flush(self) -> None:
+        """Send every buffered value to the tracker now and wait until it took them."""
+        if self._service is not None:
+            await self._service.flush()
+
     async def _put(self, step: int, values: Mapping[str, Any], where: str, prefix: str) -> None:
         service = self._service
         if service is None:

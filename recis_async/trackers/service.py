@@ -100,6 +100,7 @@ class TrackerService:
         self._done: anyio.Event | None = None
         self._scope: anyio.CancelScope | None = None
         self._closing = False
+        self._flush_requested = False
         self._started = False
         self._failure: BaseException | None = None
         self._disabled = False
@@ -190,10 +191,11 @@ class TrackerService:
                 await self._wait()
             if not self._pending:
                 break
-            if not self._closing and self.flush_interval > 0:
+            if not self._urgent() and self.flush_interval > 0:
                 with anyio.move_on_after(self.flush_interval):
-                    while not self._closing and self._pending_bytes < self.max_buffer_bytes // 2:
+                    while not self._urgent():
                         await self._wait()
+            self._flush_requested = False
             batch = [record for record, _ in self._pending]
             self._inflight, self._inflight_bytes = batch, self._pending_bytes
             self._pending.clear()
@@ -227,6 +229,25 @@ class TrackerService:
             if self.on_error == "raise":
                 raise TrackerError(f"{self.name}: tracker.finish failed: {exc!r}") from exc
             log.error("%s: tracker.finish failed", self.name, exc_info=exc)
+
+    def _urgent(self) -> bool:
+        """Send now rather than wait for more records."""
+        return (
+            self._closing
+            or self._flush_requested
+            or self._pending_bytes >= self.max_buffer_bytes // 2
+        )
+
+    async def flush(self) -> None:
+        """Send everything buffered now and return once the tracker has taken it (or the
+        service stopped: failures are reported as usual)."""
+        target = self._counts["records"]
+        self._flush_requested = True
+        self._notify()
+        while self._counts["logged"] + self._counts["spilled"] < target and not (
+            self._failure or self._disabled or (self._done is not None and self._done.is_set())
+        ):
+            await self._wait()
 
     def _clear_inflight(self) -> None:
         self._inflight, self._inflight_bytes = [], 0
