@@ -18,7 +18,7 @@ registered in ``SECTIONS``:
     shared machine's load out of the comparison.
     Target (issue 4): MLTrackerHook >= 0.99x no hooks.
 
-    python benchmarks/bench_hooks.py [--only tracker] [--rounds 5] [--seconds 1.5]
+    python benchmarks/bench_hooks.py [--only tracker] [--rounds 5] [--seconds 1.0]
 """
 
 from __future__ import annotations
@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         help=f"comma-separated sections: {', '.join(SECTIONS)}",
     )
     parser.add_argument("--rounds", type=int, default=5, help="rounds of interleaved slices")
-    parser.add_argument("--seconds", type=float, default=1.5, help="seconds per slice")
+    parser.add_argument("--seconds", type=float, default=1.0, help="seconds per slice")
     parser.add_argument("--metrics", type=int, default=4, help="[tracker] metrics per step")
     parser.add_argument(
         "--flush-interval", type=float, default=0.2, help="[tracker] MLTrackerHook flush_interval"
