@@ -16,6 +16,8 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import signal
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextvars import Token
 from time import perf_counter
@@ -24,7 +26,7 @@ from typing import Any, TypeVar, cast
 
 import anyio
 import msgspec
-from anyio.abc import TaskGroup
+from anyio.abc import TaskGroup, TaskStatus
 from anyio.lowlevel import checkpoint
 
 from . import dist
@@ -187,9 +189,15 @@ class HookBus:
 
     ``flush_timeout`` bounds, in seconds, how long close may take to drain every background
     service after ``End``.
+
+    With ``handle_signals`` (the default) and the bus entered in the main thread, SIGTERM and
+    SIGINT become a stop request: the loop stops at the next step boundary, ``End(status=
+    "preempted")`` is published, every service drains within ``flush_timeout``, and leaving the
+    block raises ``SystemExit(128 + signal)`` (143 for SIGTERM, 130 for SIGINT).  A second
+    signal cancels the body and closes at once: services spill what they still hold.
     """
 
-    def __init__(self, flush_timeout: float = 60.0) -> None:
+    def __init__(self, flush_timeout: float = 60.0, *, handle_signals: bool = True) -> None:
         if isinstance(flush_timeout, bool) or not isinstance(flush_timeout, int | float):
             raise TypeError(f"flush_timeout: expected a number of seconds, got {flush_timeout!r}")
         if not flush_timeout > 0:
@@ -207,6 +215,11 @@ class HookBus:
         self._collector = StepCollector()
         self._token: Token[StepCollector | None] | None = None
         self._stop_reason: str | None = None
+        self._handle_signals = handle_signals
+        self._signal: int | None = None  # the first stop signal received
+        self._hurry = False  # a second signal: close without waiting
+        self._close_scope: anyio.CancelScope | None = None
+        self._service_scopes: list[anyio.CancelScope] = []
         self._last_yield = 0.0
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -220,6 +233,8 @@ class HookBus:
         self._tg = tg
         self._state = "open"
         self._token = _current.set(self._collector)
+        if self._handle_signals and threading.current_thread() is threading.main_thread():
+            await tg.start(self._watch_signals, name="recis_async:signals")
         for service in self._services:
             tg.start_soon(self._run_service, service, name=f"service:{service.name}")
         return self
@@ -230,21 +245,38 @@ class HookBus:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:
-        errors = await self._close(exc)
         tg = self._tg
         assert tg is not None
-        tg.cancel_scope.cancel()  # every service returned already; this only stops stragglers
-        await tg.__aexit__(None, None, None)
-        if self._token is not None:
-            _current.reset(self._token)
-            self._token = None
-        if exc is None and errors:
-            for extra in errors[1:]:
-                logger.error("also failed while closing the bus: %s", extra)
+        try:
+            errors = await self._close(exc)
+        finally:
+            for scope in self._service_scopes:  # every service returned already, normally
+                scope.cancel()
+            tg.cancel_scope.cancel()
+            if isinstance(exc, anyio.get_cancelled_exc_class()):
+                # Our own cancel scope (a second signal) swallows its cancellation here; an
+                # outer cancellation propagates.
+                swallowed = bool(await tg.__aexit__(exc_type, exc, tb))
+            else:
+                swallowed = False
+                await tg.__aexit__(None, None, None)
+            if self._token is not None:
+                _current.reset(self._token)
+                self._token = None
+        body_failed = exc is not None and not swallowed
+        preempted = self._signal is not None and not (
+            body_failed and not isinstance(exc, anyio.get_cancelled_exc_class())
+        )
+        # The body's exception, or the signal's exit status, outranks errors of the close.
+        raised = body_failed or preempted
+        for extra in errors[0 if raised else 1 :]:
+            logger.error("failed while closing the bus: %s", extra)
+        if preempted:
+            assert self._signal is not None
+            raise SystemExit(128 + self._signal)
+        if errors and not body_failed:
             raise errors[0]
-        for extra in errors:
-            logger.error("failed while closing the bus after the body raised: %s", extra)
-        return False
+        return swallowed
 
     async def aclose(self) -> None:
         """Publish ``End`` (if not yet) and drain every service; idempotent.  Raises the
@@ -261,18 +293,9 @@ class HookBus:
         self._state = "closing"
         errors: list[HookError] = []
         with anyio.CancelScope(shield=True):
-            deadline = anyio.current_time() + self.flush_timeout
+            deadline = anyio.current_time() + (0.0 if self._hurry else self.flush_timeout)
             if not self._end_published:
-                if exc is None:
-                    status = "preempted" if self._stop_reason == "preempted" else "ok"
-                elif isinstance(exc, anyio.get_cancelled_exc_class()):
-                    status = "cancelled"
-                else:
-                    status = "failed"
-                    await self._dispatch(
-                        Error(exc_type=type(exc).__qualname__, message=str(exc)), errors
-                    )
-                await self._dispatch(End(status=status), errors)  # type: ignore[arg-type]
+                await self._publish_end(exc, deadline, errors)
             for service in reversed(self._services):
                 await self._close_service(service, deadline, errors)
         errors.extend(self._failures)
@@ -281,10 +304,42 @@ class HookBus:
         self._state = "closed"
         return errors
 
+    async def _publish_end(
+        self, exc: BaseException | None, deadline: float, errors: list[HookError]
+    ) -> None:
+        """``Error`` (if the body raised) then ``End``, both under the close deadline."""
+        cancelled = isinstance(exc, anyio.get_cancelled_exc_class())
+        if self._signal is not None and (exc is None or cancelled):
+            status = "preempted"
+        elif exc is None:
+            status = "ok"
+        elif cancelled:
+            status = "cancelled"
+        else:
+            status = "failed"
+        with anyio.CancelScope(deadline=deadline) as scope:
+            if status == "failed":
+                assert exc is not None
+                error = Error(exc_type=type(exc).__qualname__, message=str(exc))
+                await self._dispatch(error, errors)
+            await self._dispatch(End(status=status), errors)  # type: ignore[arg-type]
+        if scope.cancelled_caught:
+            errors.append(
+                HookError(
+                    f"End subscribers did not finish within flush_timeout={self.flush_timeout}s",
+                    subscriber="End",
+                    event="End",
+                )
+            )
+
     async def _close_service(
         self, service: Service, deadline: float, errors: list[HookError]
     ) -> None:
-        with anyio.CancelScope(deadline=deadline + _CLOSE_GRACE_S) as scope:
+        grace = _CLOSE_GRACE_S
+        if self._hurry:
+            deadline, grace = anyio.current_time(), 0.0
+        with anyio.CancelScope(deadline=deadline + grace) as scope:
+            self._close_scope = scope
             try:
                 await service.aclose(deadline)
             except Exception as exc:
@@ -294,20 +349,48 @@ class HookBus:
                 )
                 err.__cause__ = exc
                 errors.append(err)
+        self._close_scope = None
         if scope.cancelled_caught:
+            why = (
+                "a second stop signal arrived"
+                if self._hurry
+                else f"it did not close within flush_timeout={self.flush_timeout}s "
+                f"(+{_CLOSE_GRACE_S}s grace)"
+            )
             errors.append(
-                HookError(
-                    f"service {service.name!r} did not close within flush_timeout="
-                    f"{self.flush_timeout}s (+{_CLOSE_GRACE_S}s grace); it was cancelled",
-                    subscriber=service.name,
-                )
+                HookError(f"service {service.name!r} was cancelled: {why}", subscriber=service.name)
             )
 
+    async def _watch_signals(self, *, task_status: TaskStatus[None]) -> None:
+        """First SIGTERM/SIGINT: stop at the next step boundary; second: close at once."""
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            task_status.started()
+            async for signum in signals:
+                if self._signal is None:
+                    self._signal = int(signum)
+                    logger.warning(
+                        "%s received: stopping at the next step boundary and draining "
+                        "(flush_timeout=%ss); send it again to close at once",
+                        signal.Signals(signum).name,
+                        self.flush_timeout,
+                    )
+                    self.request_stop(f"preempted by {signal.Signals(signum).name}")
+                    continue
+                logger.warning("second stop signal: closing at once, spilling what is left")
+                self._hurry = True
+                if self._state == "open" and self._tg is not None:
+                    self._tg.cancel_scope.cancel()  # cancels the body (and this task)
+                elif self._close_scope is not None:
+                    self._close_scope.deadline = -math.inf
+
     async def _run_service(self, service: Service) -> None:
+        """Run a service shielded from outer cancellation: when the body is cancelled the
+        service must live on until close drains it.  Close cancels it explicitly after
+        ``aclose`` (it normally returned by then)."""
         try:
-            await service.run()
-        except anyio.get_cancelled_exc_class():
-            raise
+            with anyio.CancelScope(shield=True) as scope:
+                self._service_scopes.append(scope)
+                await service.run()
         except Exception as exc:
             err = HookError(f"service {service.name!r} failed: {exc}", subscriber=service.name)
             err.__cause__ = exc
@@ -343,6 +426,7 @@ class HookBus:
         priority = priority_value(hook.priority, field=f"{type(hook).__name__}.priority")
         on_error = _check_on_error(hook.on_error, f"{type(hook).__name__}.on_error")
         cls = type(hook)
+        added: list[Subscription] = []
         for event_type in _event_types():
             name = method_name(event_type)
             if name in RESERVED_NAMES:
@@ -350,7 +434,7 @@ class HookBus:
             impl = getattr(cls, name, None)
             if impl is None or impl is getattr(Hook, name, None) or not callable(impl):
                 continue
-            self._add(
+            sub = self._add(
                 event_type,
                 getattr(hook, name),
                 f"{cls.__name__}.{name}",
@@ -361,8 +445,17 @@ class HookBus:
                 None,
                 on_error,
             )
+            added.append(sub)
         self._hooks.append(hook)
-        hook.attach(self)
+        try:
+            hook.attach(self)
+        except BaseException:
+            # A hook that failed to attach is not half-added (services it already started
+            # stay: close drains them like any other).
+            for sub in added:
+                sub.remove()
+            self._hooks.remove(hook)
+            raise
 
     def start_service(self, service: Service) -> None:
         """Run ``service`` in the bus's task group until close (started at enter if not open)."""

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["get_rank", "get_world_size", "is_initialized"]
+__all__ = [
+    "all_reduce_max",
+    "all_reduce_mean",
+    "barrier",
+    "get_rank",
+    "get_world_size",
+    "is_initialized",
+]
 
 
 def is_initialized() -> bool:
@@ -40,3 +47,54 @@ def _env_int(name: str, default: int) -> int:
         return int(raw)
     except ValueError:
         raise ValueError(f"environment variable {name}: expected an int, got {raw!r}") from None
+
+
+def all_reduce_max(values: list[int], *, timeout: float, what: str) -> list[int]:
+    """Element-wise MAX of ``values`` over all ranks; blocking, so call it from a worker thread.
+
+    Raises ``TimeoutError`` naming this rank and ``what`` when the other ranks do not join
+    within ``timeout`` seconds (a rank died or is stuck) instead of waiting forever.
+    """
+    import torch
+    import torch.distributed as tdist
+
+    tensor = torch.tensor(values, dtype=torch.int64)
+    work = tdist.all_reduce(tensor, op=tdist.ReduceOp.MAX, async_op=True)
+    _wait(work, timeout, what)
+    return [int(v) for v in tensor.tolist()]
+
+
+def all_reduce_mean(values: dict[str, float], *, timeout: float, what: str) -> dict[str, float]:
+    """Mean of each named value over all ranks (every rank must pass the same names)."""
+    import torch
+    import torch.distributed as tdist
+
+    names = sorted(values)
+    tensor = torch.tensor([float(values[n]) for n in names], dtype=torch.float64)
+    work = tdist.all_reduce(tensor, op=tdist.ReduceOp.SUM, async_op=True)
+    _wait(work, timeout, what)
+    size = tdist.get_world_size()
+    return {n: float(v) / size for n, v in zip(names, tensor.tolist(), strict=True)}
+
+
+def barrier(*, timeout: float, what: str) -> None:
+    """Wait until every rank reached this point, or raise ``TimeoutError`` naming the rank."""
+    import torch
+    import torch.distributed as tdist
+
+    work = tdist.all_reduce(torch.zeros(1), async_op=True)  # a barrier that honours a timeout
+    _wait(work, timeout, what)
+
+
+def _wait(work: object, timeout: float, what: str) -> None:
+    from datetime import timedelta
+
+    try:
+        completed = work.wait(timeout=timedelta(seconds=timeout))  # type: ignore[attr-defined]
+    except RuntimeError as exc:
+        raise TimeoutError(
+            f"rank {get_rank()}: {what} did not complete within {timeout}s "
+            f"(another rank failed or is stuck): {exc}"
+        ) from exc
+    if completed is False:
+        raise TimeoutError(f"rank {get_rank()}: {what} did not complete within {timeout}s")

@@ -22,6 +22,11 @@ class Service(Protocol):
     intake, finishes what it holds, and returns by ``deadline``; what it cannot deliver in time
     it keeps safe (a spill file, say) and reports by raising.  After ``aclose`` returned,
     ``run`` must return too.
+
+    ``aclose`` may also be cancelled: when a service overruns its deadline by the bus's grace
+    period, or at once when a second stop signal arrives.  A service that holds undelivered
+    data must then still keep it safe before the cancellation propagates (spill in an
+    ``except``/``finally`` block, synchronously or inside a shielded scope).
     """
 
     name: str

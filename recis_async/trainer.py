@@ -14,13 +14,18 @@ step boundary.  ``End`` comes from the bus when it closes, once.
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import math
-from collections.abc import AsyncIterator, Iterable, Sequence
+import os
+from collections.abc import AsyncIterator, Iterable, Sequence, Sized
 from typing import Any, NamedTuple, Protocol, TypeVar
 
+import anyio
 import msgspec
 import torch
 
+from . import dist
 from .bus import HookBus
 from .collect import add_metric
 from .events import (
@@ -40,8 +45,15 @@ from .events import (
     WindowMode,
 )
 from .hook import Hook
+from .hooks.checkpoint import CheckpointSaverHook, restore_checkpoint
+from .hooks.progress import ProgressBarHook
 
 __all__ = ["Trainer", "TrainingArguments", "WindowedDataset"]
+
+logger = logging.getLogger("recis_async.trainer")
+
+# What a rank offers at the step boundary; the maximum over ranks wins.
+_CONTINUE, _END_EPOCH, _STOP = 0, 1, 2
 
 
 def _positive(owner: str, field: str, value: object, *, optional: bool = False) -> None:
@@ -57,7 +69,9 @@ class TrainingArguments(msgspec.Struct, kw_only=True, frozen=True):
 
     ``train_steps`` caps the total number of steps (exactly that many run when the data lasts);
     ``train_epoch`` is the number of passes over the data; ``eval_steps`` caps each evaluation;
-    ``save_steps`` / ``max_to_keep`` configure checkpoints; ``log_steps`` the log interval.
+    ``save_steps`` / ``max_to_keep`` configure checkpoints into ``output_dir`` (``None`` turns
+    them off); ``log_steps`` the log interval; ``collective_timeout`` bounds, in seconds, the
+    trainer's cross-rank stop agreement.
     """
 
     output_dir: str = "output_dir"
@@ -68,6 +82,7 @@ class TrainingArguments(msgspec.Struct, kw_only=True, frozen=True):
     save_steps: int | None = 1000
     max_to_keep: int = 5
     gradient_accumulation_steps: int = 1
+    collective_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.output_dir, str) or not self.output_dir:
@@ -78,6 +93,12 @@ class TrainingArguments(msgspec.Struct, kw_only=True, frozen=True):
             _positive("TrainingArguments", field, getattr(self, field))
         for field in ("train_steps", "eval_steps", "save_steps"):
             _positive("TrainingArguments", field, getattr(self, field), optional=True)
+        timeout = self.collective_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            raise ValueError(
+                f"TrainingArguments.collective_timeout: expected a positive number of seconds, "
+                f"got {timeout!r}"
+            )
 
 
 class WindowedDataset(Protocol):
@@ -109,6 +130,11 @@ class Trainer:
     ``(optimizer, lr_scheduler)``; either may be ``None`` (no optimizer: evaluation only).
     Without ``bus`` each of :meth:`train`, :meth:`evaluate`, :meth:`train_and_evaluate` opens
     and closes its own :class:`HookBus` with ``hooks`` added.
+
+    When ``args.save_steps`` is set and ``hooks`` hold no :class:`CheckpointSaverHook`, the
+    trainer adds one (``checkpoint_hook``) saving its model, optimizer and LR scheduler into
+    ``args.output_dir`` every ``save_steps`` steps and at the end, keeping ``max_to_keep``.
+    A :class:`ProgressBarHook` without a ``total`` gets the planned number of steps.
     """
 
     def __init__(
@@ -154,13 +180,35 @@ class Trainer:
         self.bus = bus
         self.global_step = 0
         self.epoch = 0
+        self._distributed = False  # set when a loop starts: the process group may come later
+        self.checkpoint_hook: CheckpointSaverHook | None = None
+        if args.save_steps is not None and not any(
+            isinstance(h, CheckpointSaverHook) for h in hooks
+        ):
+            self.checkpoint_hook = CheckpointSaverHook(
+                args.output_dir,
+                save_steps=args.save_steps,
+                max_to_keep=args.max_to_keep,
+                model=model,
+                optimizer=self.optimizer,
+                lr_scheduler=self.lr_scheduler,
+            )
 
     # ------------------------------------------------------------------ public entry points
-    async def train(self) -> None:
-        """Train for ``train_epoch`` passes or ``train_steps`` steps, whichever ends first."""
+    async def train(self, resume_from_checkpoint: bool | str | os.PathLike[str] = False) -> None:
+        """Train for ``train_epoch`` passes or ``train_steps`` steps, whichever ends first.
+
+        ``resume_from_checkpoint``: ``True`` restores the newest checkpoint of
+        ``args.output_dir`` (a path: of that directory) after ``Start``: model, optimizer,
+        LR scheduler and hook states, then ``global_step`` continues from it (``train_steps``
+        counts the steps done before).  Without a checkpoint the run starts from scratch.  The
+        data is read from its beginning again: where a stream resumes is the dataset's job.
+        """
         self._require_training()
+        _check_resume("train", resume_from_checkpoint)
         async with self._session() as bus:
             await bus.publish(Start(is_train=True))
+            await self._restore(bus, resume_from_checkpoint)
             await self._train_loop(bus, evaluate=False)
 
     async def evaluate(self) -> dict[str, float]:
@@ -171,13 +219,18 @@ class Trainer:
             await bus.publish(Start(is_train=False))
             return await self._evaluate(bus)
 
-    async def train_and_evaluate(self) -> None:
-        """Train, evaluating after every epoch (after every window for windowed data)."""
+    async def train_and_evaluate(
+        self, resume_from_checkpoint: bool | str | os.PathLike[str] = False
+    ) -> None:
+        """Train, evaluating after every epoch (after every window for windowed data);
+        ``resume_from_checkpoint`` as in :meth:`train`."""
         self._require_training()
         if self.eval_dataset is None:
             raise ValueError("Trainer.train_and_evaluate(): eval_dataset is None")
+        _check_resume("train_and_evaluate", resume_from_checkpoint)
         async with self._session() as bus:
             await bus.publish(Start(is_train=True))
+            await self._restore(bus, resume_from_checkpoint)
             await self._train_loop(bus, evaluate=True)
 
     # ------------------------------------------------------------------ the loops
@@ -189,21 +242,49 @@ class Trainer:
 
     @contextlib.asynccontextmanager
     async def _session(self) -> AsyncIterator[HookBus]:
+        hooks = list(self.hooks)
+        if self.checkpoint_hook is not None and not any(
+            isinstance(h, CheckpointSaverHook) for h in hooks
+        ):
+            hooks.append(self.checkpoint_hook)
         if self.bus is not None:
-            for hook in self.hooks:
+            for hook in hooks:
                 if not any(h is hook for h in self.bus.hooks):
                     self.bus.add_hook(hook)
             yield self.bus
             return
         async with HookBus() as bus:
-            for hook in self.hooks:
+            for hook in hooks:
                 bus.add_hook(hook)
             yield bus
+
+    async def _restore(self, bus: HookBus, resume: bool | str | os.PathLike[str]) -> None:
+        if resume is False:
+            return
+        directory = self.args.output_dir if resume is True else resume
+        step = await restore_checkpoint(
+            bus, directory, self.model, self.optimizer, self.lr_scheduler
+        )
+        if step is not None:
+            self.global_step = step
+
+    def _planned_steps(self) -> int | None:
+        """Steps this training call will run to, when known (for progress bars)."""
+        planned = self.args.train_steps
+        data = self.train_dataset
+        if isinstance(data, Sized) and not hasattr(data, "windows"):
+            by_data = self.global_step + len(data) * self.args.train_epoch
+            planned = by_data if planned is None else min(planned, by_data)
+        return planned
 
     def _steps_left(self) -> bool:
         return self.args.train_steps is None or self.global_step < self.args.train_steps
 
     async def _train_loop(self, bus: HookBus, *, evaluate: bool) -> None:
+        self._distributed = dist.is_initialized() and dist.get_world_size() > 1
+        for hook in bus.hooks:
+            if isinstance(hook, ProgressBarHook) and hook.total is None:
+                hook.total = self._planned_steps()
         data: Any = self.train_dataset
         windowed = hasattr(data, "windows")
         if windowed:
@@ -236,24 +317,74 @@ class Trainer:
         local = 0
         while self._steps_left():
             at = _At(True, self.global_step, local, epoch)
-            await bus.publish(at(BeforeStep))
             try:
-                batch = next(it)
-            except StopIteration:
-                await bus.publish(at(OutOfData))
+                await bus.publish(at(BeforeStep))
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    await bus.publish(at(OutOfData))
+                    await self._agree(bus, _END_EPOCH, at.global_step)
+                    return
+                await bus.publish(at(AfterData))
+                loss = _check_loss(self.model(batch))
+                (loss / accumulate if accumulate > 1 else loss).backward()
+                await bus.publish(at(AfterBackward))
+                if (self.global_step + 1) % accumulate == 0:
+                    self._optimizer_step()
+                add_metric("loss", loss)
+                self.global_step += 1
+                local += 1
+                await bus.publish(at(AfterStep, samples=batch_size(batch)))
+            except Exception:
+                await self._agree_failed(bus)
+                raise
+            if await self._agree(bus, _CONTINUE, at.global_step) != _CONTINUE or bus.should_stop:
                 return
-            await bus.publish(at(AfterData))
-            loss = _check_loss(self.model(batch))
-            (loss / accumulate if accumulate > 1 else loss).backward()
-            await bus.publish(at(AfterBackward))
-            if (self.global_step + 1) % accumulate == 0:
-                self._optimizer_step()
-            add_metric("loss", loss)
-            self.global_step += 1
-            local += 1
-            await bus.publish(at(AfterStep, samples=batch_size(batch)))
-            if bus.should_stop:
-                return
+
+    async def _agree(self, bus: HookBus, mine: int, step: int) -> int:
+        """Agree with every rank at the step boundary (distributed runs only).
+
+        Each rank offers ``_CONTINUE``, ``_END_EPOCH`` (out of data) or ``_STOP`` (its bus
+        should stop); the maximum wins everywhere, so all ranks stop or end the epoch at the
+        same step and none is left waiting in a collective.  A rank that failed is named.
+        """
+        if not self._distributed:
+            return mine
+        if bus.should_stop:
+            mine = _STOP
+        decision, failed = await anyio.to_thread.run_sync(
+            functools.partial(
+                dist.all_reduce_max,
+                [mine, 0],
+                timeout=self.args.collective_timeout,
+                what=f"the stop agreement at global_step {step}",
+            )
+        )
+        if failed:
+            raise RuntimeError(
+                f"rank {failed - 1} failed in the step at global_step {step}; "
+                f"rank {bus.rank} stops with it"
+            )
+        if decision == _STOP and not bus.should_stop:
+            bus.request_stop("another rank requested a stop")
+        return decision
+
+    async def _agree_failed(self, bus: HookBus) -> None:
+        """Tell the other ranks, waiting at the step boundary, that this rank failed."""
+        if not self._distributed:
+            return
+        with anyio.CancelScope(shield=True):
+            try:
+                await anyio.to_thread.run_sync(
+                    functools.partial(
+                        dist.all_reduce_max,
+                        [_STOP, bus.rank + 1],
+                        timeout=min(self.args.collective_timeout, 30.0),
+                        what="announcing this rank's failure",
+                    )
+                )
+            except Exception as exc:  # the original error matters more
+                logger.warning("rank %s could not announce its failure: %s", bus.rank, exc)
 
     def _optimizer_step(self) -> None:
         self.optimizer.step()
@@ -316,6 +447,14 @@ class _At(NamedTuple):
             local_step=self.local_step,
             epoch=self.epoch,
             **extra,
+        )
+
+
+def _check_resume(method: str, resume: object) -> None:
+    if not isinstance(resume, bool | str | os.PathLike) or resume == "":
+        raise TypeError(
+            f"Trainer.{method}(resume_from_checkpoint=...): expected a bool or a checkpoint "
+            f"directory, got {resume!r}"
         )
 
 

@@ -326,7 +326,7 @@ class _Recorder:
         await self._stop.wait()
 
     async def aclose(self, deadline: float) -> None:
-        assert anyio.current_time() < deadline
+        self.in_time = anyio.current_time() < deadline
         self._stop.set()
         self.drained.append(True)
 
@@ -467,3 +467,50 @@ async def test_body_error_inside_publish_is_hook_error_unwrapped() -> None:
             bus.start_service(_Recorder("svc", []))
             await bus.publish(BeforeStep())
     assert isinstance(info.value.__cause__, ValueError)
+
+
+async def test_a_hanging_end_subscriber_cannot_hang_close() -> None:
+    drained: list[bool] = []
+
+    async def forever(event: End) -> None:
+        await anyio.sleep_forever()
+
+    with anyio.fail_after(5):
+        with pytest.raises(
+            HookError, match=r"End subscribers did not finish within flush_timeout=0.05s"
+        ):
+            async with HookBus(flush_timeout=0.05) as bus:
+                bus.subscribe(End, forever)
+                bus.start_service(_Recorder("svc", drained))
+    assert drained == [True]  # the service was still closed (and told its deadline passed)
+
+
+async def test_services_outlive_an_outer_cancellation_until_drained() -> None:
+    """The body is cancelled; the service's worker must still be running when close drains."""
+    delivered: list[int] = []
+
+    class Worker(_Recorder):
+        def __init__(self) -> None:
+            super().__init__("worker", [])
+            self.send, self.receive = anyio.create_memory_object_stream[int](100)
+
+        async def run(self) -> None:
+            async with self.receive:
+                async for item in self.receive:
+                    await anyio.sleep(0.001)  # a checkpoint: an unshielded worker dies here
+                    delivered.append(item)
+
+        async def aclose(self, deadline: float) -> None:
+            await self.send.aclose()
+            with anyio.fail_after(max(deadline - anyio.current_time(), 0)):
+                while len(delivered) < 50:
+                    await anyio.sleep(0.001)
+
+    with anyio.move_on_after(0.02):
+        async with HookBus() as bus:
+            worker = Worker()
+            bus.start_service(worker)
+            for i in range(50):
+                worker.send.send_nowait(i)
+            await anyio.sleep_forever()
+    assert delivered == list(range(50))

@@ -138,3 +138,26 @@ def test_state_dict_defaults() -> None:
     assert hook.state_dict() == {}
     hook.load_state_dict({})
     assert hook.state_key == "Hook"
+
+
+async def test_a_hook_whose_attach_fails_is_not_half_added() -> None:
+    class Fragile(Hook):
+        fail = True
+
+        def attach(self, bus: HookBus) -> None:
+            if self.fail:
+                raise OSError("cannot open the output directory")
+
+        def start(self, event: Start) -> None:
+            raise AssertionError("must not be subscribed")
+
+    hook = Fragile()
+    async with HookBus() as bus:
+        with pytest.raises(OSError, match="cannot open"):
+            bus.add_hook(hook)
+        assert bus.hooks == ()
+        await bus.publish(Start())
+        hook.fail = False
+        hook.start = lambda event: None  # type: ignore[method-assign]
+        bus.add_hook(hook)  # adding it again works once attach succeeds
+        assert bus.hooks == (hook,)

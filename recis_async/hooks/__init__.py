@@ -1,18 +1,47 @@
-"""Built-in hooks; each does its slow work in background services, off the step."""
+"""Built-in hooks.  Slow work (file writes, uploads, scans) runs in background services."""
 
-from __future__ import annotations
-
+from .checkpoint import (
+    CheckpointSaverHook,
+    latest_checkpoint,
+    latest_checkpoint_step,
+    list_checkpoints,
+    restore_checkpoint,
+)
+from .early_stopping import EarlyStoppingHook
+from .global_step_waiter import GlobalStepWaiterHook
+from .hash_table_filter import HashTableFilterHook
+from .history import HistorySaverHook
 from .logger import LoggerHook
+from .logging_tensor import LoggingTensorHook
 from .metric_report import MetricReportHook, ReportArguments
 from .ml_tracker import MLTrackerHook
+from .nan import NanLossError, NanTensorHook
 from .profiler import ProfilerHook
+from .progress import ProgressBarHook
+from .step_counter import StepCounterHook
+from .stop_at_step import StopAtStepHook
 from .summary import SummarySaverHook
 
 __all__ = [
+    "CheckpointSaverHook",
+    "EarlyStoppingHook",
+    "GlobalStepWaiterHook",
+    "HashTableFilterHook",
+    "HistorySaverHook",
     "LoggerHook",
+    "LoggingTensorHook",
     "MLTrackerHook",
     "MetricReportHook",
+    "NanLossError",
+    "NanTensorHook",
     "ProfilerHook",
+    "ProgressBarHook",
     "ReportArguments",
+    "StepCounterHook",
+    "StopAtStepHook",
     "SummarySaverHook",
+    "latest_checkpoint",
+    "latest_checkpoint_step",
+    "list_checkpoints",
+    "restore_checkpoint",
 ]

@@ -1,0 +1,62 @@
+"""Constructor argument checks shared by the built-in hooks: each error names the argument,
+what was expected and what arrived."""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from typing import Any
+
+__all__ = ["exactly_one", "positive_int", "positive_number", "writable_dir"]
+
+
+def positive_int(owner: str, field: str, value: Any) -> int:
+    """``value`` as an int > 0, or ``ValueError("Owner(field=...): expected ...")``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{owner}({field}=...): expected a positive int, got {value!r}")
+    return value
+
+
+def positive_number(owner: str, field: str, value: Any) -> float:
+    """``value`` as a finite float > 0."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"{owner}({field}=...): expected a positive number, got {value!r}")
+    return float(value)
+
+
+def exactly_one(owner: str, **given: Any) -> str:
+    """The name of the one argument that is not ``None``; both or neither is an error."""
+    set_ = [name for name, value in given.items() if value is not None]
+    if len(set_) != 1:
+        names = " or ".join(given)
+        got = ", ".join(f"{name}={value!r}" for name, value in given.items())
+        raise ValueError(f"{owner}: expected exactly one of {names}, got {got}")
+    return set_[0]
+
+
+def writable_dir(owner: str, field: str, value: Any) -> str:
+    """Create ``value`` if missing and prove it writable by creating and removing a file.
+
+    ``os.access`` is not enough: it says yes to root on a read-only directory and knows
+    nothing of full or read-only file systems.
+    """
+    if not isinstance(value, str | os.PathLike) or not os.fspath(value):
+        raise ValueError(f"{owner}({field}=...): expected a directory path, got {value!r}")
+    path = os.path.abspath(os.fspath(value))
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ValueError(
+            f"{owner}({field}=...): expected a writable directory, got {value!r} "
+            f"({type(exc).__name__}: {exc.strerror or exc})"
+        ) from exc
+    return path

@@ -1,0 +1,127 @@
+"""EarlyStoppingHook: stop when a monitored metric stops improving."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING, Any, Literal
+
+from ..events import AfterEval, AfterStep
+from ..hook import Hook
+from ._checks import positive_int
+
+if TYPE_CHECKING:
+    from ..bus import HookBus
+
+__all__ = ["EarlyStoppingHook"]
+
+logger = logging.getLogger("recis_async.hooks.early_stopping")
+
+_MODES = ("min", "max")
+_SOURCES = ("eval", "step")
+
+
+class EarlyStoppingHook(Hook):
+    """Request a stop after ``patience`` evaluations in a row without improvement.
+
+    An evaluation is an ``AfterEval`` (``source="eval"``, the default: the metric must be in
+    ``AfterEval.metrics``, else it is an error naming the metrics present), or a training
+    ``AfterStep`` whose ``metrics`` hold ``monitor`` (``source="step"``: steps without it are
+    skipped, for metrics recorded every n steps).  ``mode="min"`` improves when the value
+    drops below the best by more than ``min_delta``, ``"max"`` when it rises above it; a NaN
+    never improves.  ``best``, ``best_step`` and ``wait`` are in ``state_dict`` so a resumed run
+    keeps its patience.
+    """
+
+    def __init__(
+        self,
+        monitor: str,
+        patience: int,
+        mode: Literal["min", "max"] = "min",
+        min_delta: float = 0.0,
+        *,
+        source: Literal["eval", "step"] = "eval",
+    ) -> None:
+        owner = type(self).__name__
+        if not isinstance(monitor, str) or not monitor:
+            raise ValueError(f"{owner}(monitor=...): expected a metric name, got {monitor!r}")
+        self.patience = positive_int(owner, "patience", patience)
+        if mode not in _MODES:
+            raise ValueError(f"{owner}(mode=...): expected 'min' or 'max', got {mode!r}")
+        if (
+            isinstance(min_delta, bool)
+            or not isinstance(min_delta, int | float)
+            or not math.isfinite(min_delta)
+            or min_delta < 0
+        ):
+            raise ValueError(f"{owner}(min_delta=...): expected a number >= 0, got {min_delta!r}")
+        if source not in _SOURCES:
+            raise ValueError(f"{owner}(source=...): expected 'eval' or 'step', got {source!r}")
+        self.monitor = monitor
+        self.mode = mode
+        self.min_delta = float(min_delta)
+        self.source = source
+        self.best: float | None = None
+        self.best_step: int | None = None
+        self.wait = 0
+        self._bus: HookBus | None = None
+
+    def attach(self, bus: HookBus) -> None:
+        self._bus = bus
+
+    def after_eval(self, event: AfterEval) -> None:
+        if self.source != "eval":
+            return
+        if self.monitor not in event.metrics:
+            raise KeyError(
+                f"EarlyStoppingHook: AfterEval(global_step={event.global_step}).metrics has no "
+                f"{self.monitor!r} (got {sorted(event.metrics)})"
+            )
+        self._judge(event.metrics[self.monitor], event.global_step)
+
+    def after_step(self, event: AfterStep) -> None:
+        if self.source == "step" and event.is_train and self.monitor in event.metrics:
+            self._judge(event.metrics[self.monitor], event.global_step + 1)
+
+    def _judge(self, raw: Any, step: int) -> None:
+        try:
+            value = float(raw)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"EarlyStoppingHook: {self.monitor!r} at step {step}: expected a number, "
+                f"got {raw!r}"
+            ) from None
+        if self._improved(value):
+            self.best, self.best_step, self.wait = value, step, 0
+            return
+        self.wait += 1
+        if self.wait >= self.patience and self._bus is not None:
+            reason = (
+                f"EarlyStoppingHook: {self.monitor!r} did not improve for {self.wait} "
+                f"evaluation(s) (best {self.best!r} at step {self.best_step}, now {value!r})"
+            )
+            logger.info("%s", reason)
+            self._bus.request_stop(reason)
+
+    def _improved(self, value: float) -> bool:
+        if math.isnan(value):
+            return False
+        if self.best is None:
+            return True
+        if self.mode == "min":
+            return value < self.best - self.min_delta
+        return value > self.best + self.min_delta
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "best_step": self.best_step, "wait": self.wait}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best = state["best"]
+        self.best_step = state["best_step"]
+        self.wait = int(state["wait"])
+
+    def __repr__(self) -> str:
+        return (
+            f"<EarlyStoppingHook monitor={self.monitor!r} mode={self.mode} "
+            f"patience={self.patience} source={self.source}>"
+        )

@@ -1,0 +1,112 @@
+"""LoggingTensorHook: log chosen metrics / tracked values every N steps or N seconds."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from ..events import AfterStep
+from ..hook import Hook
+from ._checks import exactly_one, positive_int, positive_number
+
+__all__ = ["LoggingTensorHook"]
+
+logger = logging.getLogger("recis_async.hooks.logging_tensor")
+
+_MAX_ITEMS = 8  # longer lists/arrays are shortened in the log line
+
+
+def _format(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, list) and len(value) > _MAX_ITEMS:
+        head = ", ".join(_format(v) for v in value[:_MAX_ITEMS])
+        return f"[{head}, ... ({len(value)} items)]"
+    if isinstance(value, list):
+        return "[" + ", ".join(_format(v) for v in value) + "]"
+    return repr(value)
+
+
+class LoggingTensorHook(Hook):
+    """Log the values named in ``names`` from training steps, TensorFlow style.
+
+    Each name is looked up in ``AfterStep.metrics`` (``add_metric``), then in
+    ``AfterStep.tracked`` (``add_to_ml_tracker``).  Give exactly one of ``every_n_iter``
+    (the first training step, then every n-th) or ``every_n_secs`` (the first, then the first
+    step at least that long after the previous line).  A name missing from a logged step shows
+    as ``n/a`` and is warned about once.  One INFO line per log::
+
+        global_step=99 loss = 0.6931, auc = 0.71 (1.52 sec)
+    """
+
+    def __init__(
+        self,
+        names: Iterable[str],
+        every_n_iter: int | None = None,
+        every_n_secs: float | None = None,
+    ) -> None:
+        owner = type(self).__name__
+        if isinstance(names, str) or not isinstance(names, Iterable):
+            raise TypeError(f"{owner}(names=...): expected a list of names, got {names!r}")
+        self.names = list(names)
+        if not self.names or not all(isinstance(n, str) and n for n in self.names):
+            raise ValueError(
+                f"{owner}(names=...): expected a non-empty list of metric names, got {self.names!r}"
+            )
+        exactly_one(owner, every_n_iter=every_n_iter, every_n_secs=every_n_secs)
+        self.every_n_iter = (
+            None if every_n_iter is None else positive_int(owner, "every_n_iter", every_n_iter)
+        )
+        self.every_n_secs = (
+            None if every_n_secs is None else positive_number(owner, "every_n_secs", every_n_secs)
+        )
+        self._iter = 0
+        self._last: float = -math.inf
+        self._warned: set[str] = set()
+
+    def after_step(self, event: AfterStep) -> None:
+        if not event.is_train:
+            return
+        now = time.monotonic()
+        if self.every_n_iter is not None:
+            due = self._iter % self.every_n_iter == 0
+        else:
+            assert self.every_n_secs is not None
+            due = now - self._last >= self.every_n_secs
+        self._iter += 1
+        if not due:
+            return
+        parts = []
+        for name in self.names:
+            if name in event.metrics:
+                parts.append(f"{name} = {_format(event.metrics[name])}")
+            elif name in event.tracked:
+                parts.append(f"{name} = {_format(event.tracked[name])}")
+            else:
+                parts.append(f"{name} = n/a")
+                if name not in self._warned:
+                    self._warned.add(name)
+                    logger.warning(
+                        "LoggingTensorHook: %r is neither in AfterStep.metrics %s nor in "
+                        "AfterStep.tracked %s at global_step %d",
+                        name,
+                        sorted(event.metrics),
+                        sorted(event.tracked),
+                        event.global_step,
+                    )
+        since = "" if self._last == -math.inf else f" ({now - self._last:.3f} sec)"
+        self._last = now
+        logger.info("global_step=%d %s%s", event.global_step, ", ".join(parts), since)
+
+    def __repr__(self) -> str:
+        every = (
+            f"every_n_iter={self.every_n_iter}"
+            if self.every_n_iter is not None
+            else f"every_n_secs={self.every_n_secs}"
+        )
+        return f"<LoggingTensorHook {self.names} {every}>"

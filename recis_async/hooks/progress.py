@@ -1,0 +1,90 @@
+"""ProgressBarHook: a tqdm bar over training steps with ETA and the latest metrics."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable
+from typing import IO, Any
+
+from ..events import AfterStep, BeforeStep, End
+from ..hook import Hook
+from ._checks import positive_int, positive_number
+
+__all__ = ["ProgressBarHook"]
+
+
+class ProgressBarHook(Hook):
+    """A ``tqdm`` progress bar: one tick per completed training step.
+
+    ``total`` is the number of steps of the whole run (a ``Trainer`` fills it in from its
+    ``TrainingArguments`` when left ``None``: ``train_steps``, else ``train_epoch`` passes over
+    a dataset with ``len()``); with a total the bar shows the ETA.  The bar opens at the first
+    training step and starts at that step, so a resumed run shows its true position.  The
+    postfix shows the latest step's numeric metrics (or only ``metrics`` when given).  Rank 0
+    only.  Needs the ``progress`` extra: ``pip install 'recis_async[progress]'``.
+    """
+
+    rank_zero_only = True
+
+    def __init__(
+        self,
+        total: int | None = None,
+        *,
+        desc: str = "Training",
+        metrics: Iterable[str] | None = None,
+        file: IO[str] | None = None,
+        leave: bool = True,
+        mininterval: float = 0.1,
+    ) -> None:
+        owner = type(self).__name__
+        try:
+            from tqdm import tqdm
+        except ImportError as exc:
+            raise ImportError(
+                f"{owner} needs tqdm, which is not installed: pip install 'recis_async[progress]'"
+            ) from exc
+        self._tqdm = tqdm
+        self.total = None if total is None else positive_int(owner, "total", total)
+        if isinstance(metrics, str):
+            raise TypeError(f"{owner}(metrics=...): expected a list of names, got {metrics!r}")
+        self.metrics = None if metrics is None else list(metrics)
+        self.desc = desc
+        self.file = file
+        self.leave = leave
+        self.mininterval = positive_number(owner, "mininterval", mininterval)
+        self._bar: Any = None
+
+    def before_step(self, event: BeforeStep) -> None:
+        if event.is_train and self._bar is None:
+            self._bar = self._tqdm(
+                total=self.total,
+                initial=event.global_step,
+                desc=self.desc,
+                unit="step",
+                file=self.file,
+                leave=self.leave,
+                mininterval=self.mininterval,
+                dynamic_ncols=True,
+            )
+
+    def after_step(self, event: AfterStep) -> None:
+        bar = self._bar
+        if not event.is_train or bar is None:
+            return
+        names = event.metrics if self.metrics is None else self.metrics
+        postfix = {
+            name: event.metrics[name]
+            for name in names
+            if isinstance(event.metrics.get(name), numbers.Real)
+        }
+        if postfix:
+            bar.set_postfix(postfix, refresh=False)
+        bar.update(1)
+
+    def end(self, event: End) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __repr__(self) -> str:
+        return f"<ProgressBarHook total={self.total}>"

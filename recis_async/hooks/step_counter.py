@@ -1,0 +1,71 @@
+"""StepCounterHook: training steps/s and samples/s, as metrics and in the log."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from ..collect import add_metric
+from ..events import AfterStep, BeforeStep
+from ..hook import Hook
+from ._checks import positive_int
+
+__all__ = ["StepCounterHook"]
+
+logger = logging.getLogger("recis_async.hooks.step_counter")
+
+
+class StepCounterHook(Hook):
+    """Measure throughput over every ``every_n_steps`` completed training steps.
+
+    The interval runs from the ``BeforeStep`` of its first step to the ``BeforeStep`` after its
+    last one, on the monotonic clock, so it covers data loading, compute and hooks.  The rates
+    are computed at that ``BeforeStep`` and collected with ``add_metric`` as
+    ``steps_per_sec`` and ``samples_per_sec`` (from ``AfterStep.samples``), so they ride on the
+    ``AfterStep`` of that step: the steps ``first + n``, ``first + 2n``, ... carry the rate of
+    the ``n`` steps before them.  Time spent in evaluation steps is not counted.  Each rate is
+    also logged at INFO.
+    """
+
+    def __init__(self, every_n_steps: int = 100) -> None:
+        self.every_n_steps = positive_int(type(self).__name__, "every_n_steps", every_n_steps)
+        self._mark: float | None = None  # when the current interval started
+        self._paused: float | None = None  # when evaluation interrupted it
+        self._steps = 0
+        self._samples = 0
+
+    def before_step(self, event: BeforeStep) -> None:
+        now = time.monotonic()
+        if not event.is_train:
+            if self._mark is not None and self._paused is None:
+                self._paused = now
+            return
+        if self._paused is not None and self._mark is not None:
+            self._mark += now - self._paused  # leave the evaluation out of the interval
+        self._paused = None
+        if self._mark is None:
+            self._mark = now
+            return
+        if self._steps < self.every_n_steps:
+            return
+        elapsed = max(now - self._mark, 1e-9)
+        steps_per_sec = self._steps / elapsed
+        samples_per_sec = self._samples / elapsed
+        add_metric("steps_per_sec", steps_per_sec)
+        add_metric("samples_per_sec", samples_per_sec)
+        logger.info(
+            "global_step=%d steps/s=%.4g samples/s=%.4g",
+            event.global_step,
+            steps_per_sec,
+            samples_per_sec,
+        )
+        self._mark = now
+        self._steps = self._samples = 0
+
+    def after_step(self, event: AfterStep) -> None:
+        if event.is_train and self._mark is not None:
+            self._steps += 1
+            self._samples += event.samples
+
+    def __repr__(self) -> str:
+        return f"<StepCounterHook every_n_steps={self.every_n_steps}>"

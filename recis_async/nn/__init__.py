@@ -1,0 +1,33 @@
+"""Dynamic embedding tables for sparse ids: ``HashTable``, ``DynamicEmbedding`` and their
+admission / filter policies."""
+
+from .builtin_policies import GlobalStepFilter, ReadOnly
+from .embedding import DynamicEmbedding, EmbeddingOption
+from .hashtable import EvictionPlan, HashTable, Initializer, attach_optimizer
+from .hashtable_hook import AdmitHook, FilterHook
+from .policy import AdmitPolicy, FilterPolicy
+from .registry import (
+    DEFAULT_POLICIES,
+    PolicyRegistry,
+    register_admit_policy,
+    register_filter_policy,
+)
+
+__all__ = [
+    "AdmitHook",
+    "FilterHook",
+    "HashTable",
+    "EvictionPlan",
+    "Initializer",
+    "attach_optimizer",
+    "EmbeddingOption",
+    "DynamicEmbedding",
+    "AdmitPolicy",
+    "FilterPolicy",
+    "ReadOnly",
+    "GlobalStepFilter",
+    "PolicyRegistry",
+    "DEFAULT_POLICIES",
+    "register_admit_policy",
+    "register_filter_policy",
+]
