@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -134,29 +136,36 @@ async def test_mlflow_end_to_end(mlflow_uri: tuple[str, str], tmp_path: Path) ->
     assert arrays[10].values == {"emb": [10.0, 11.0, 12.0]}
 
 
-@pytest.mark.parametrize(("stop", "expected"), [("preempted", "KILLED"), (None, "FAILED")])
-async def test_mlflow_status_from_end(
-    mlflow_uri: tuple[str, str], stop: str | None, expected: str
-) -> None:
+async def test_mlflow_failed_run(mlflow_uri: tuple[str, str]) -> None:
     uri, artifacts = mlflow_uri
     tracker = MlflowTracker(uri, artifact_location=artifacts)
-    with pytest.raises(RuntimeError) if stop is None else _nothing():
+    with pytest.raises(RuntimeError, match="step failed"):
         async with HookBus() as bus:
-            bus.add_hook(MLTrackerHook("ctr-status", f"run-{expected}", {}, tracker=tracker))
+            bus.add_hook(MLTrackerHook("ctr-status", "failed", {}, tracker=tracker))
             await _train(bus, 5)
-            if stop is None:
-                raise RuntimeError("step failed")
-            bus.request_stop(stop)
+            raise RuntimeError("step failed")
     assert tracker.run_id is not None
-    assert MlflowClient(uri).get_run(tracker.run_id).info.status == expected
+    client = MlflowClient(uri)
+    assert client.get_run(tracker.run_id).info.status == "FAILED"
+    assert len(client.get_metric_history(tracker.run_id, "loss")) == 5
 
 
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+async def test_mlflow_preempted_by_sigterm_is_killed(mlflow_uri: tuple[str, str]) -> None:
+    uri, artifacts = mlflow_uri
+    tracker = MlflowTracker(uri, artifact_location=artifacts)
+    with pytest.raises(SystemExit) as info:
+        async with HookBus() as bus:
+            bus.add_hook(MLTrackerHook("ctr-status", "preempted", {}, tracker=tracker))
+            await _train(bus, 5)
+            os.kill(os.getpid(), signal.SIGTERM)
+            with anyio.fail_after(10):
+                while not bus.should_stop:
+                    await anyio.sleep(0.01)
+    assert info.value.code == 143
+    assert tracker.run_id is not None
+    client = MlflowClient(uri)
+    assert client.get_run(tracker.run_id).info.status == "KILLED"
+    assert len(client.get_metric_history(tracker.run_id, "loss")) == 5
 
 
 async def test_tensorboard_tracker_through_hook(tmp_path: Path) -> None:

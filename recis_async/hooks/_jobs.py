@@ -66,9 +66,9 @@ class JobQueue(Generic[T]):
 
     async def run(self) -> None:
         try:
-            # Shielded: cancelling the code around the bus must not drop queued jobs; aclose
-            # decides when this stops, under the bus's deadline.
-            with anyio.CancelScope(shield=True) as self._scope:
+            # The bus shields services from the body's cancellation; aclose cancels this scope
+            # when its deadline passes.
+            with anyio.CancelScope() as self._scope:
                 async with self._receive:
                     async for job in self._receive:
                         if self._disabled:
@@ -105,7 +105,7 @@ class JobQueue(Generic[T]):
                 await self._done.wait()
         finally:
             if not self._done.is_set() and self._scope is not None:
-                self._scope.cancel()  # run() is shielded: stop it here whatever happens
+                self._scope.cancel()  # stop run() whatever happened to aclose
         if self._done.is_set():
             return
         left = self._receive.statistics().current_buffer_used

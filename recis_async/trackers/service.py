@@ -168,9 +168,9 @@ class TrackerService:
         if self._done is None:
             self._done = anyio.Event()
         try:
-            # Shielded: cancelling the code around the bus must not cut delivery short; the
-            # bus's close (``aclose``) decides when this stops, under its deadline.
-            with anyio.CancelScope(shield=True) as self._scope:
+            # The bus shields services from the body's cancellation; aclose cancels this scope
+            # when its deadline passes.
+            with anyio.CancelScope() as self._scope:
                 await self._serve()
         finally:
             self._done.set()
@@ -322,7 +322,7 @@ class TrackerService:
                 await self._done.wait()
         finally:
             if not self._done.is_set() and self._scope is not None:
-                self._scope.cancel()  # run() is shielded: stop it here whatever happens
+                self._scope.cancel()  # stop run() whatever happened to aclose
         timed_out = not self._done.is_set()
         pending = [record for record, _ in self._pending]
         inflight = list(self._inflight)
