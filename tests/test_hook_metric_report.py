@@ -158,3 +158,35 @@ def test_validation() -> None:
     with pytest.raises(TypeError, match="report_args: expected ReportArguments, got dict"):
         MetricReportHook(torch.nn.Linear(1, 1), {"interval_step": 3})  # type: ignore[arg-type]
     assert MetricReportHook(torch.nn.Linear(1, 1)).args.interval_step == 100
+
+
+async def test_real_hash_tables_in_the_report() -> None:
+    from recis_async.nn import HashTable
+
+    class Ctr(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.user = HashTable(8, name="user", capacity=16)
+            self.item = HashTable([2, 4], name="item", capacity=16)
+            self.head = torch.nn.Linear(16, 1)
+
+    model = Ctr()
+    clock = Clock()
+    hook = MetricReportHook(model, ReportArguments(interval_step=3, log=False), clock=clock)
+    async with HookBus() as bus:
+        bus.add_hook(hook)
+        for g in range(3):
+            await bus.publish(BeforeStep(global_step=g))
+            model.user(torch.arange(g * 20, g * 20 + 25))  # 65 distinct ids in the end
+            model.item(torch.tensor([1, 2, 3]))
+            clock.t += 0.01
+            await bus.publish(AfterStep(global_step=g, samples=25))
+    assert hook.last_report is not None
+    _, values = hook.last_report
+    assert values["report/hashtable/user/ids"] == 65.0
+    assert values["report/hashtable/item/ids"] == 3.0
+    assert values["report/hashtable/user/memory_bytes"] == model.user.memory_bytes()
+    assert values["report/hashtable/memory_bytes"] == (
+        model.user.memory_bytes() + model.item.memory_bytes()
+    )
+    assert values["report/params"] == sum(p.numel() for p in model.parameters())
