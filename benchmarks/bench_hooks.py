@@ -4,8 +4,11 @@ Sections (``--only`` picks some, comma separated; default all); each is one func
 registered in ``SECTIONS``:
 
 ``tracker``
-    A small MLP (``torch.set_num_threads(1)``) trained inside a ``HookBus``, logging
-    ``--metrics`` scalars per step.  Variants: no hooks; ``MLTrackerHook(MlflowTracker)``;
+    A small MLP (``torch.set_num_threads(1)``; ``--batch 2048 --width 256`` is about 10 ms a
+    step, ``--batch 256`` about 1.5 ms) trained inside a ``HookBus``, logging ``--metrics``
+    scalars per step.  "loop us" is the per-step time outside the training computation
+    (publishes, ``add_to_ml_tracker``, the hook): what tracking costs the step itself.
+    Variants: no hooks; ``MLTrackerHook(MlflowTracker)``;
     ``MLTrackerHook(SubprocessTracker(MlflowTracker))``; mlflow's own ``log_metric`` in the
     loop, synchronous and with ``synchronous=False``; all against one local sqlite store.
     Every variant keeps its own bus (and run) open in its own task for the whole section and
@@ -18,7 +21,7 @@ registered in ``SECTIONS``:
     shared machine's load out of the comparison.
     Target (issue 4): MLTrackerHook >= 0.99x no hooks.
 
-    python benchmarks/bench_hooks.py [--only tracker] [--rounds 5] [--seconds 1.0]
+    python benchmarks/bench_hooks.py [--only tracker] [--rounds 4] [--seconds 1.0] [--batch 256]
 """
 
 from __future__ import annotations
@@ -85,19 +88,30 @@ class Session(NamedTuple):
     ready: Callable[[], bool]  # warm-up lasts until this holds (e.g. a tracker has started)
 
 
-async def train_for(bus: HookBus, work: Workload, seconds: float, session: Session) -> float:
-    """Train on ``bus`` for ``seconds``; steps/s."""
+class Slice(NamedTuple):
+    rate: float  # steps/s
+    train_us: float  # per step: the training computation (forward, backward, optimizer)
+    hook_us: float  # per step: everything else in the loop (publishes, tracking calls)
+
+
+async def train_for(bus: HookBus, work: Workload, seconds: float, session: Session) -> Slice:
+    """Train on ``bus`` for ``seconds``, timing the training part and the rest apart."""
     steps = 0
+    train = 0.0
     start = time.perf_counter()
     end = start + seconds
     while True:
         now = time.perf_counter()
         if now >= end:
-            return steps / (now - start)
+            elapsed = now - start
+            per_step = 1e6 / max(steps, 1)
+            return Slice(steps / elapsed, train * per_step, (elapsed - train) * per_step)
         step = work.step_count
         await bus.publish(BeforeStep(global_step=step))
         await bus.publish(AfterData(global_step=step))
+        t = time.perf_counter()
         loss = work.step()
+        train += time.perf_counter() - t
         session.on_step(step, loss)
         await bus.publish(AfterStep(global_step=step, samples=work.batch))
         work.step_count += 1
@@ -108,7 +122,7 @@ async def run_variant(
     open_session: Callable[[], contextlib.AbstractAsyncContextManager[Session]],
     work: Workload,
     turns: MemoryObjectReceiveStream[float],
-    results: MemoryObjectSendStream[float],
+    results: MemoryObjectSendStream[tuple[Slice, float]],
 ) -> None:
     """A variant's task: open its session, warm up, then train one slice per turn."""
     async with open_session() as session, turns, results:
@@ -118,18 +132,16 @@ async def run_variant(
                 if session.ready():
                     break
         await session.drain()
-        await results.send(0.0)  # warmed up
+        await results.send((Slice(0.0, 0.0, 0.0), 0.0))  # warmed up
         async for seconds in turns:
-            rate = await train_for(session.bus, work, seconds, session)
+            result = await train_for(session.bus, work, seconds, session)
             start = time.perf_counter()
             await session.drain()
-            drained = time.perf_counter() - start
-            await results.send(rate)
-            await results.send(drained)
+            await results.send((result, time.perf_counter() - start))
 
 
 class Rounds(NamedTuple):
-    rates: dict[str, list[float]]  # steps/s during each slice
+    slices: dict[str, list[Slice]]
     drains: dict[str, list[float]]  # seconds to finish the slice's background work after it
 
 
@@ -141,13 +153,13 @@ async def interleave(
 ) -> Rounds:
     """Every variant's slices, taken in turn (order rotated per round)."""
     names = list(variants)
-    rates: dict[str, list[float]] = {name: [] for name in names}
+    slices: dict[str, list[Slice]] = {name: [] for name in names}
     drains: dict[str, list[float]] = {name: [] for name in names}
     async with anyio.create_task_group() as tg:
         channels = {}
         for name in names:
             send_turn, recv_turn = anyio.create_memory_object_stream[float](1)
-            send_result, recv_result = anyio.create_memory_object_stream[float](1)
+            send_result, recv_result = anyio.create_memory_object_stream[tuple[Slice, float]](1)
             tg.start_soon(run_variant, variants[name], work, recv_turn, send_result)
             await recv_result.receive()  # one variant warms up at a time
             channels[name] = (send_turn, recv_result)
@@ -155,34 +167,39 @@ async def interleave(
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 send_turn, recv_result = channels[name]
                 await send_turn.send(seconds)
-                rates[name].append(await recv_result.receive())
-                drains[name].append(await recv_result.receive())
+                result, drained = await recv_result.receive()
+                slices[name].append(result)
+                drains[name].append(drained)
         for send_turn, recv_result in channels.values():
             await send_turn.aclose()
             await recv_result.aclose()
-    return Rounds(rates, drains)
+    return Rounds(slices, drains)
 
 
 def report(result: Rounds, base: str, seconds: float) -> dict[str, float]:
-    """Print, per variant, median steps/s, the median over rounds of its ratio to ``base`` in
-    the same round, the backlog drain time after a slice, and the sustained ratio (steps over
-    slice + drain).  Returns the ratios."""
+    """Print, per variant: median steps/s; the median over rounds of its ratio to ``base`` in
+    the same round; the per-step time of the training part and of the rest of the loop (the
+    publishes and tracking calls: what the hook costs the step itself); the backlog drain
+    time after a slice; the sustained ratio (steps over slice + drain).  Returns the ratios."""
     ratios: dict[str, float] = {}
     print(
-        f"{'variant':48} {'steps/s':>8} {'ratio':>7} {'drain s':>8} {'sustained':>9}"
-        "   per-round steps/s"
+        f"{'variant':48} {'steps/s':>8} {'ratio':>7} {'train us':>9} {'loop us':>8} "
+        f"{'drain s':>8} {'sustained':>9}   per-round steps/s"
     )
-    base_rates = result.rates[base]
-    for name, values in result.rates.items():
+    base_rates = [s.rate for s in result.slices[base]]
+    for name, slices in result.slices.items():
+        rates = [s.rate for s in slices]
         drains = result.drains[name]
-        ratios[name] = statistics.median(v / b for v, b in zip(values, base_rates, strict=True))
+        ratios[name] = statistics.median(r / b for r, b in zip(rates, base_rates, strict=True))
         sustained = statistics.median(
-            v * seconds / (seconds + d) / b
-            for v, d, b in zip(values, drains, base_rates, strict=True)
+            r * seconds / (seconds + d) / b
+            for r, d, b in zip(rates, drains, base_rates, strict=True)
         )
-        spread = " ".join(f"{v:.0f}" for v in values)
+        spread = " ".join(f"{r:.0f}" for r in rates)
         print(
-            f"{name:48} {statistics.median(values):8.1f} {ratios[name]:6.3f}x "
+            f"{name:48} {statistics.median(rates):8.1f} {ratios[name]:6.3f}x "
+            f"{statistics.median(s.train_us for s in slices):9.1f} "
+            f"{statistics.median(s.hook_us for s in slices):8.1f} "
             f"{statistics.median(drains):8.3f} {sustained:8.3f}x   {spread}"
         )
     return ratios
@@ -287,7 +304,7 @@ def section_tracker(args: argparse.Namespace) -> bool:
         "mlflow log_metric synchronous": direct(True),
         "mlflow log_metric synchronous=False": direct(False),
     }
-    work = Workload()
+    work = Workload(batch=args.batch, width=args.width)
     load = os.getloadavg()[0]
 
     async def go() -> Rounds:
@@ -296,7 +313,8 @@ def section_tracker(args: argparse.Namespace) -> bool:
     started = time.perf_counter()
     result = anyio.run(go, backend=args.backend)
     print(
-        f"\n[tracker] {n_metrics} metrics/step; MLP 64-256-256-1, batch {work.batch}, 1 torch "
+        f"\n[tracker] {n_metrics} metrics/step; MLP 64-{args.width}-{args.width}-1, batch "
+        f"{work.batch}, 1 torch "
         f"thread; {args.backend}; {args.rounds} rounds x {args.seconds}s slices; sqlite store; "
         f"hook flush_interval {args.flush_interval}s; {os.cpu_count()} CPUs, load average "
         f"{load:.2f} at start; {time.perf_counter() - started:.0f}s"
@@ -326,9 +344,11 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(SECTIONS),
         help=f"comma-separated sections: {', '.join(SECTIONS)}",
     )
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of interleaved slices")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of interleaved slices")
     parser.add_argument("--seconds", type=float, default=1.0, help="seconds per slice")
     parser.add_argument("--metrics", type=int, default=4, help="[tracker] metrics per step")
+    parser.add_argument("--batch", type=int, default=2048, help="[tracker] MLP batch size")
+    parser.add_argument("--width", type=int, default=256, help="[tracker] MLP hidden width")
     parser.add_argument(
         "--flush-interval", type=float, default=0.2, help="[tracker] MLTrackerHook flush_interval"
     )

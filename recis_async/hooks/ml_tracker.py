@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING, Any
 from ..events import AfterEval, AfterStep, End
 from ..hook import Hook, OnError
 from ..trackers import JsonlTracker, RunSpec, StepRecord, Tracker, TrackerService
-from ..trackers.base import check_metric_name, flatten_params, to_tracked_value
+from ..trackers.base import (
+    RECORD_OVERHEAD,
+    VALUE_OVERHEAD,
+    check_metric_name,
+    flatten_params,
+    to_tracked_value,
+)
 from ..trackers.service import check_settings
 
 if TYPE_CHECKING:
@@ -140,11 +146,17 @@ class MLTrackerHook(Hook):
             raise RuntimeError(f"{self!r} is not attached to a bus (bus.add_hook(hook) first)")
         checked: dict[str, Any] = {}
         names = self._names
+        nbytes = RECORD_OVERHEAD
         for key, value in values.items():
-            full = prefix + key if isinstance(key, str) else key
+            full = prefix + key if prefix else key
             if full not in names:
                 check_metric_name(full, where=f"{where} key")
                 names.add(full)
-            checked[full] = to_tracked_value(key, value, where=where)
+            if type(value) is not float:  # floats (the common case) need no conversion
+                value = to_tracked_value(key, value, where=where)
+                if type(value) is not float:
+                    nbytes += value.nbytes
+            checked[full] = value
+            nbytes += VALUE_OVERHEAD + len(full)
         if checked:
-            await service.put(StepRecord(step, time.time(), checked))
+            await service.put(StepRecord(step, time.time(), checked), nbytes)

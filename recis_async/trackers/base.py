@@ -160,11 +160,15 @@ def to_tracked_value(name: str, value: object, *, where: str) -> float | np.ndar
     )
 
 
+RECORD_OVERHEAD = 64  # bytes counted per record besides its values
+VALUE_OVERHEAD = 48  # bytes counted per value besides its name and array payload
+
+
 def record_nbytes(record: StepRecord) -> int:
     """Bytes a record holds for buffer accounting (payload plus a fixed per-entry cost)."""
-    total = 64
+    total = RECORD_OVERHEAD
     for key, value in record.values.items():
-        total += 48 + len(key)
+        total += VALUE_OVERHEAD + len(key)
         if isinstance(value, np.ndarray):
             total += value.nbytes
     return total

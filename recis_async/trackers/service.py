@@ -126,9 +126,13 @@ class TrackerService:
         """Whether :meth:`put` takes records (not closing, not failed)."""
         return not self._closing and self._failure is None
 
-    async def put(self, record: StepRecord) -> None:
-        """Buffer one record; waits while the buffer holds ``max_buffer_bytes``."""
-        nbytes = record_nbytes(record)
+    async def put(self, record: StepRecord, nbytes: int | None = None) -> None:
+        """Buffer one record; waits while the buffer holds ``max_buffer_bytes``.
+
+        ``nbytes`` is the record's :func:`~recis_async.trackers.base.record_nbytes` when the
+        caller computed it already."""
+        if nbytes is None:
+            nbytes = record_nbytes(record)
         while True:
             self._check_open()
             if self._disabled:
@@ -138,10 +142,15 @@ class TrackerService:
             if held == 0 or held + nbytes <= self.max_buffer_bytes:
                 break
             await self._wait()
+        was_empty = not self._pending
         self._pending.append((record, nbytes))
         self._pending_bytes += nbytes
         self._counts["records"] += 1
-        self._notify()
+        # Wake the sender only when it has something new to decide: the first record of a
+        # batch, or a half-full buffer.  Waking it for every record would cost the step a
+        # task switch each time while the batch fills.
+        if was_empty or self._pending_bytes >= self.max_buffer_bytes // 2:
+            self._notify()
 
     def _check_open(self) -> None:
         if self._failure is not None:
