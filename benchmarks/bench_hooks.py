@@ -21,7 +21,7 @@ registered in ``SECTIONS``:
     shared machine's load out of the comparison.
     Target (issue 4): MLTrackerHook >= 0.99x no hooks.
 
-    python benchmarks/bench_hooks.py [--only tracker] [--rounds 4] [--seconds 1.0] [--batch 256]
+    python benchmarks/bench_hooks.py [--only tracker] [--rounds 4] [--seconds 2.0] [--batch 256]
 """
 
 from __future__ import annotations
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         help=f"comma-separated sections: {', '.join(SECTIONS)}",
     )
     parser.add_argument("--rounds", type=int, default=4, help="rounds of interleaved slices")
-    parser.add_argument("--seconds", type=float, default=1.0, help="seconds per slice")
+    parser.add_argument("--seconds", type=float, default=2.0, help="seconds per slice")
     parser.add_argument("--metrics", type=int, default=4, help="[tracker] metrics per step")
     parser.add_argument("--batch", type=int, default=2048, help="[tracker] MLP batch size")
     parser.add_argument("--width", type=int, default=256, help="[tracker] MLP hidden width")
