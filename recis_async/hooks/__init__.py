@@ -11,11 +11,16 @@ from .early_stopping import EarlyStoppingHook
 from .global_step_waiter import GlobalStepWaiterHook
 from .hash_table_filter import HashTableFilterHook
 from .history import HistorySaverHook
+from .logger import LoggerHook
 from .logging_tensor import LoggingTensorHook
+from .metric_report import MetricReportHook, ReportArguments
+from .ml_tracker import MLTrackerHook
 from .nan import NanLossError, NanTensorHook
+from .profiler import ProfilerHook
 from .progress import ProgressBarHook
 from .step_counter import StepCounterHook
 from .stop_at_step import StopAtStepHook
+from .summary import SummarySaverHook
 from .trace import TraceHook, TraceToOdpsHook
 
 __all__ = [
@@ -24,12 +29,18 @@ __all__ = [
     "GlobalStepWaiterHook",
     "HashTableFilterHook",
     "HistorySaverHook",
+    "LoggerHook",
     "LoggingTensorHook",
+    "MLTrackerHook",
+    "MetricReportHook",
     "NanLossError",
     "NanTensorHook",
+    "ProfilerHook",
     "ProgressBarHook",
+    "ReportArguments",
     "StepCounterHook",
     "StopAtStepHook",
+    "SummarySaverHook",
     "TraceHook",
     "TraceToOdpsHook",
     "latest_checkpoint",

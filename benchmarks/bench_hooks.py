@@ -1,0 +1,368 @@
+"""What built-in hooks cost a real torch training loop, measured side by side in one process.
+
+Sections (``--only`` picks some, comma separated; default all); each is one function
+registered in ``SECTIONS``:
+
+``tracker``
+    A small MLP (``torch.set_num_threads(1)``; ``--batch 2048 --width 256`` is about 10 ms a
+    step, ``--batch 256`` about 1.5 ms) trained inside a ``HookBus``, logging ``--metrics``
+    scalars per step.  "loop us" is the per-step time outside the training computation
+    (publishes, ``add_to_ml_tracker``, the hook): what tracking costs the step itself.
+    Variants: no hooks; ``MLTrackerHook(MlflowTracker)``;
+    ``MLTrackerHook(SubprocessTracker(MlflowTracker))``; mlflow's own ``log_metric`` in the
+    loop, synchronous and with ``synchronous=False``; all against one local sqlite store.
+    Every variant keeps its own bus (and run) open in its own task for the whole section and
+    they take turns: ``--rounds`` rounds, each giving every variant one slice of
+    ``--seconds`` of training (order rotated per round).  After a slice the variant's
+    background backlog is drained so it cannot slow the next variant's slice; that drain time
+    is printed, and "sustained" counts it (steps / (slice + drain)).  The hook flushes every
+    ``--flush-interval`` seconds, so its backlog is small.  A ratio is the median over rounds
+    of (variant steps/s / no-hook steps/s in the same round), which keeps slow drifts of a
+    shared machine's load out of the comparison.
+    Target (issue 4): MLTrackerHook >= 0.99x no hooks.
+
+    python benchmarks/bench_hooks.py [--only tracker] [--rounds 4] [--seconds 2.0] [--batch 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import anyio
+import torch
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from recis_async import HookBus, add_to_ml_tracker
+from recis_async.events import AfterData, AfterStep, BeforeStep
+
+Section = Callable[[argparse.Namespace], bool]
+
+
+# --------------------------------------------------------------------------- shared pieces
+
+
+class Workload:
+    """The training step every variant runs: an MLP on fixed random data, one thread."""
+
+    def __init__(self, batch: int = 256, width: int = 256, seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        self.model = torch.nn.Sequential(
+            torch.nn.Linear(64, width),
+            torch.nn.ReLU(),
+            torch.nn.Linear(width, width),
+            torch.nn.ReLU(),
+            torch.nn.Linear(width, 1),
+        )
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        self.x = torch.randn(batch, 64)
+        self.y = torch.randn(batch, 1)
+        self.batch = batch
+        self.step_count = 0
+
+    def step(self) -> torch.Tensor:
+        loss = torch.nn.functional.mse_loss(self.model(self.x), self.y)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+class Session(NamedTuple):
+    """One variant, open for the whole section."""
+
+    bus: HookBus
+    on_step: Callable[[int, torch.Tensor], None]  # called between the step and AfterStep
+    drain: Callable[[], Awaitable[None]]  # wait until its background work is done (untimed)
+    ready: Callable[[], bool]  # warm-up lasts until this holds (e.g. a tracker has started)
+
+
+class Slice(NamedTuple):
+    rate: float  # steps/s
+    train_us: float  # per step: the training computation (forward, backward, optimizer)
+    hook_us: float  # per step: everything else in the loop (publishes, tracking calls)
+
+
+async def train_for(bus: HookBus, work: Workload, seconds: float, session: Session) -> Slice:
+    """Train on ``bus`` for ``seconds``, timing the training part and the rest apart."""
+    steps = 0
+    train = 0.0
+    start = time.perf_counter()
+    end = start + seconds
+    while True:
+        now = time.perf_counter()
+        if now >= end:
+            elapsed = now - start
+            per_step = 1e6 / max(steps, 1)
+            return Slice(steps / elapsed, train * per_step, (elapsed - train) * per_step)
+        step = work.step_count
+        await bus.publish(BeforeStep(global_step=step))
+        await bus.publish(AfterData(global_step=step))
+        t = time.perf_counter()
+        loss = work.step()
+        train += time.perf_counter() - t
+        session.on_step(step, loss)
+        await bus.publish(AfterStep(global_step=step, samples=work.batch))
+        work.step_count += 1
+        steps += 1
+
+
+async def run_variant(
+    open_session: Callable[[], contextlib.AbstractAsyncContextManager[Session]],
+    work: Workload,
+    turns: MemoryObjectReceiveStream[float],
+    results: MemoryObjectSendStream[tuple[Slice, float]],
+) -> None:
+    """A variant's task: open its session, warm up, then train one slice per turn."""
+    async with open_session() as session, turns, results:
+        with anyio.fail_after(120):
+            while True:  # warm up: at least 0.3 s and until ready
+                await train_for(session.bus, work, 0.3, session)
+                if session.ready():
+                    break
+        await session.drain()
+        await results.send((Slice(0.0, 0.0, 0.0), 0.0))  # warmed up
+        async for seconds in turns:
+            result = await train_for(session.bus, work, seconds, session)
+            start = time.perf_counter()
+            await session.drain()
+            await results.send((result, time.perf_counter() - start))
+
+
+class Rounds(NamedTuple):
+    slices: dict[str, list[Slice]]
+    drains: dict[str, list[float]]  # seconds to finish the slice's background work after it
+
+
+async def interleave(
+    variants: dict[str, Callable[[], contextlib.AbstractAsyncContextManager[Session]]],
+    work: Workload,
+    rounds: int,
+    seconds: float,
+) -> Rounds:
+    """Every variant's slices, taken in turn (order rotated per round)."""
+    names = list(variants)
+    slices: dict[str, list[Slice]] = {name: [] for name in names}
+    drains: dict[str, list[float]] = {name: [] for name in names}
+    async with anyio.create_task_group() as tg:
+        channels = {}
+        for name in names:
+            send_turn, recv_turn = anyio.create_memory_object_stream[float](1)
+            send_result, recv_result = anyio.create_memory_object_stream[tuple[Slice, float]](1)
+            tg.start_soon(run_variant, variants[name], work, recv_turn, send_result)
+            await recv_result.receive()  # one variant warms up at a time
+            channels[name] = (send_turn, recv_result)
+        for r in range(rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                send_turn, recv_result = channels[name]
+                await send_turn.send(seconds)
+                result, drained = await recv_result.receive()
+                slices[name].append(result)
+                drains[name].append(drained)
+        for send_turn, recv_result in channels.values():
+            await send_turn.aclose()
+            await recv_result.aclose()
+    return Rounds(slices, drains)
+
+
+def report(result: Rounds, base: str, seconds: float) -> dict[str, float]:
+    """Print, per variant: median steps/s; the median over rounds of its ratio to ``base`` in
+    the same round; the per-step time of the training part and of the rest of the loop (the
+    publishes and tracking calls: what the hook costs the step itself); the backlog drain
+    time after a slice; the sustained ratio (steps over slice + drain).  Returns the ratios."""
+    ratios: dict[str, float] = {}
+    print(
+        f"{'variant':48} {'steps/s':>8} {'ratio':>7} {'train us':>9} {'loop us':>8} "
+        f"{'drain s':>8} {'sustained':>9}   per-round steps/s"
+    )
+    base_rates = [s.rate for s in result.slices[base]]
+    for name, slices in result.slices.items():
+        rates = [s.rate for s in slices]
+        drains = result.drains[name]
+        ratios[name] = statistics.median(r / b for r, b in zip(rates, base_rates, strict=True))
+        sustained = statistics.median(
+            r * seconds / (seconds + d) / b
+            for r, d, b in zip(rates, drains, base_rates, strict=True)
+        )
+        spread = " ".join(f"{r:.0f}" for r in rates)
+        print(
+            f"{name:48} {statistics.median(rates):8.1f} {ratios[name]:6.3f}x "
+            f"{statistics.median(s.train_us for s in slices):9.1f} "
+            f"{statistics.median(s.hook_us for s in slices):8.1f} "
+            f"{statistics.median(drains):8.3f} {sustained:8.3f}x   {spread}"
+        )
+    return ratios
+
+
+# --------------------------------------------------------------------------- tracker section
+
+
+def _metric_values(loss: torch.Tensor, n: int) -> dict[str, float]:
+    value = float(loss)
+    return {"loss": value, **{f"m{i}": value * i for i in range(1, n)}}
+
+
+def section_tracker(args: argparse.Namespace) -> bool:
+    """MLTrackerHook(MlflowTracker) vs mlflow's log_metric (sync and async) vs no hooks."""
+    try:
+        from mlflow import MlflowClient
+    except ImportError:
+        print("[tracker] mlflow is not installed (pip install recis_async[mlflow]); skipped")
+        return True
+    from recis_async.hooks import MLTrackerHook
+    from recis_async.trackers import MlflowTracker, SubprocessTracker
+
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    torch.set_num_threads(1)
+    root = Path(tempfile.mkdtemp(prefix="bench_hooks_"))
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("bench", artifact_location=str(root / "artifacts"))
+    n_metrics = args.metrics
+
+    def no_track(step: int, loss: torch.Tensor) -> None:
+        pass
+
+    async def nothing() -> None:
+        pass
+
+    @contextlib.asynccontextmanager
+    async def no_hooks() -> AsyncIterator[Session]:
+        async with HookBus() as bus:
+            yield Session(bus, no_track, nothing, lambda: True)
+
+    def with_hook(process: bool) -> Callable[[], contextlib.AbstractAsyncContextManager[Session]]:
+        @contextlib.asynccontextmanager
+        async def session() -> AsyncIterator[Session]:
+            tracker: Any = (
+                SubprocessTracker(functools.partial(MlflowTracker, uri))
+                if process
+                else MlflowTracker(uri)
+            )
+            hook = MLTrackerHook(
+                "bench", f"hook-process={process}", {"lr": 1e-3}, tracker=tracker,
+                flush_interval=args.flush_interval,
+            )  # fmt: skip
+
+            def track(step: int, loss: torch.Tensor) -> None:
+                for name, value in _metric_values(loss, n_metrics).items():
+                    add_to_ml_tracker(name, value)
+
+            def stats() -> Any:
+                assert hook.service is not None
+                return hook.service.stats()
+
+            async with HookBus() as bus:
+                bus.add_hook(hook)
+                yield Session(bus, track, hook.flush, lambda: stats()["batches"] > 0)
+            closes.append(stats())
+
+        return session
+
+    def direct(synchronous: bool) -> Callable[[], contextlib.AbstractAsyncContextManager[Session]]:
+        @contextlib.asynccontextmanager
+        async def session() -> AsyncIterator[Session]:
+            run_id = client.create_run(experiment, run_name=f"direct-sync={synchronous}")
+            run_id = run_id.info.run_id
+            client.log_param(run_id, "lr", 1e-3)
+            pending: list[Any] = []
+
+            def log(step: int, loss: torch.Tensor) -> None:
+                for name, value in _metric_values(loss, n_metrics).items():
+                    op = client.log_metric(run_id, name, value, step=step, synchronous=synchronous)
+                    if op is not None:
+                        pending.append(op)
+
+            async def drain() -> None:
+                ops = pending[:]
+                pending.clear()
+                await anyio.to_thread.run_sync(lambda: [op.wait() for op in ops])
+
+            async with HookBus() as bus:
+                yield Session(bus, log, drain, lambda: True)
+            client.set_terminated(run_id)
+
+        return session
+
+    closes: list[Any] = []
+    variants = {
+        "no hooks": no_hooks,
+        "MLTrackerHook(MlflowTracker)": with_hook(False),
+        "MLTrackerHook(SubprocessTracker(MlflowTracker))": with_hook(True),
+        "mlflow log_metric synchronous": direct(True),
+        "mlflow log_metric synchronous=False": direct(False),
+    }
+    work = Workload(batch=args.batch, width=args.width)
+    load = os.getloadavg()[0]
+
+    async def go() -> Rounds:
+        return await interleave(variants, work, args.rounds, args.seconds)
+
+    started = time.perf_counter()
+    result = anyio.run(go, backend=args.backend)
+    print(
+        f"\n[tracker] {n_metrics} metrics/step; MLP 64-{args.width}-{args.width}-1, batch "
+        f"{work.batch}, 1 torch "
+        f"thread; {args.backend}; {args.rounds} rounds x {args.seconds}s slices; sqlite store; "
+        f"hook flush_interval {args.flush_interval}s; {os.cpu_count()} CPUs, load average "
+        f"{load:.2f} at start; {time.perf_counter() - started:.0f}s"
+    )
+    ratios = report(result, "no hooks", args.seconds)
+    for stats in closes:
+        assert stats["spilled"] == 0 and stats["logged"] == stats["records"]
+    ok = True
+    for name in ("MLTrackerHook(MlflowTracker)", "MLTrackerHook(SubprocessTracker(MlflowTracker))"):
+        met = ratios[name] >= 0.99
+        ok &= met
+        print(f"target {name} >= 0.99x no hooks: {ratios[name]:.3f}x {'met' if met else 'NOT met'}")
+    return ok
+
+
+# --------------------------------------------------------------------------- main
+
+SECTIONS: dict[str, Section] = {
+    "tracker": section_tracker,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument(
+        "--only",
+        default=",".join(SECTIONS),
+        help=f"comma-separated sections: {', '.join(SECTIONS)}",
+    )
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of interleaved slices")
+    parser.add_argument("--seconds", type=float, default=2.0, help="seconds per slice")
+    parser.add_argument("--metrics", type=int, default=4, help="[tracker] metrics per step")
+    parser.add_argument("--batch", type=int, default=2048, help="[tracker] MLP batch size")
+    parser.add_argument("--width", type=int, default=256, help="[tracker] MLP hidden width")
+    parser.add_argument(
+        "--flush-interval", type=float, default=0.2, help="[tracker] MLTrackerHook flush_interval"
+    )
+    parser.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
+    args = parser.parse_args(argv)
+    chosen = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = [s for s in chosen if s not in SECTIONS]
+    if unknown:
+        parser.error(f"--only: unknown section(s) {unknown}; choose from {list(SECTIONS)}")
+    ok = True
+    for name in chosen:
+        ok &= SECTIONS[name](args)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""LoggerHook: a progress line every ``log_step`` steps through stdlib ``logging``.
+
+``<mode=train> <gstep=..> <lstep=..> <qps=..> <sps=..> <loss=..> ...``: ``qps`` is samples/s
+and ``sps`` steps/s, measured on a monotonic clock over the steps since the previous line of
+the same mode.  The first window opens at the first step (its ``BeforeStep`` when published,
+else its ``AfterStep``), not when the hook is built.  Training and evaluation keep separate
+counters, and a window only counts the time spent in its own mode, so an evaluation in the
+middle of training does not lower the training rate.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from ..events import AfterStep, BeforeStep
+from ..hook import Hook
+
+__all__ = ["LoggerHook", "format_value"]
+
+
+def format_value(value: Any) -> str:
+    """Compact text for a metric: numbers with 6 significant digits, arrays by shape and mean."""
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, np.ndarray):
+        if value.size and np.issubdtype(value.dtype, np.number):
+            return f"array{list(value.shape)}(mean={float(value.mean()):.6g})"
+        return f"array{list(value.shape)}"
+    text = str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class _Window:
+    """Counters of one mode (train or eval) since its last line."""
+
+    __slots__ = ("busy", "count", "last_end", "samples", "seg_start", "steps")
+
+    def __init__(self) -> None:
+        self.count = 0  # steps of this mode seen, for the every-log_step trigger
+        self.steps = 0  # steps timed in the current window
+        self.samples = 0
+        self.busy = 0.0  # closed segments of this mode in the window, seconds
+        self.seg_start: float | None = None  # open segment start
+        self.last_end = 0.0  # time of this mode's last AfterStep
+
+
+class LoggerHook(Hook):
+    """Log throughput and the step's ``metrics`` every ``log_step`` steps (rank 0 by default).
+
+    ``clock`` (seconds, monotonic) and ``logger`` may be replaced, e.g. in tests.
+    """
+
+    rank_zero_only = True
+
+    def __init__(
+        self,
+        log_step: int = 10,
+        *,
+        logger: logging.Logger | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if isinstance(log_step, bool) or not isinstance(log_step, int) or log_step <= 0:
+            raise ValueError(f"LoggerHook.log_step: expected a positive int, got {log_step!r}")
+        if not callable(clock):
+            raise TypeError(f"LoggerHook.clock: expected a callable, got {clock!r}")
+        self.log_step = log_step
+        self.logger = logger or logging.getLogger("recis_async.hooks.logger")
+        self._clock = clock
+        self._windows = {True: _Window(), False: _Window()}
+
+    def _enter(self, is_train: bool, now: float) -> _Window:
+        """Open this mode's segment if needed and close the other mode's."""
+        other = self._windows[not is_train]
+        if other.seg_start is not None:
+            other.busy += max(0.0, other.last_end - other.seg_start)
+            other.seg_start = None
+        return self._windows[is_train]
+
+    def before_step(self, event: BeforeStep) -> None:
+        now = self._clock()
+        window = self._enter(event.is_train, now)
+        if window.seg_start is None:
+            window.seg_start = now
+
+    def after_step(self, event: AfterStep) -> None:
+        now = self._clock()
+        window = self._enter(event.is_train, now)
+        if window.seg_start is None:
+            # No BeforeStep opened the window: this step's start is unknown, so it opens the
+            # window and is not timed.
+            window.seg_start = now
+        else:
+            window.steps += 1
+            window.samples += event.samples
+        window.last_end = now
+        window.count += 1
+        if window.count % self.log_step:
+            return
+        elapsed = window.busy + (now - window.seg_start)
+        sps = window.steps / elapsed if elapsed > 0 else math.nan
+        qps = window.samples / elapsed if elapsed > 0 else math.nan
+        window.steps = window.samples = 0
+        window.busy = 0.0
+        window.seg_start = now
+        self.logger.info(self.format_line(event, qps, sps))
+
+    @staticmethod
+    def format_line(event: AfterStep, qps: float, sps: float) -> str:
+        parts = [
+            f"<mode={'train' if event.is_train else 'eval'}>",
+            f"<gstep={event.global_step}>",
+            f"<lstep={event.local_step}>",
+            f"<qps={qps:.2f}>",
+            f"<sps={sps:.3f}>",
+        ]
+        metrics: Mapping[str, Any] = event.metrics
+        parts.extend(f"<{name}={format_value(value)}>" for name, value in metrics.items())
+        return " ".join(parts)

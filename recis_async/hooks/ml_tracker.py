@@ -1,0 +1,162 @@
+"""MLTrackerHook: sends ``add_to_ml_tracker`` values and the run config to an experiment tracker.
+
+On each training ``AfterStep`` the step's ``tracked`` values are checked (names and numbers,
+so bad input fails at that publish) and buffered; a :class:`~recis_async.trackers.TrackerService`
+hands them to the tracker in a worker thread, batched.  ``AfterEval`` metrics are logged
+under ``eval/``.  ``End.status`` decides how the run ends (MLflow: FINISHED / FAILED /
+KILLED).  Other hooks send their own values with :meth:`MLTrackerHook.log_metrics`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from ..events import AfterEval, AfterStep, End
+from ..hook import Hook, OnError
+from ..trackers import JsonlTracker, RunSpec, StepRecord, Tracker, TrackerService
+from ..trackers.base import (
+    RECORD_OVERHEAD,
+    VALUE_OVERHEAD,
+    check_metric_name,
+    flatten_params,
+    to_tracked_value,
+)
+from ..trackers.service import check_settings
+
+if TYPE_CHECKING:
+    from ..bus import HookBus
+
+__all__ = ["MLTrackerHook"]
+
+
+class MLTrackerHook(Hook):
+    """Log tracked values and the config of a run to ``tracker`` (a
+    :class:`~recis_async.trackers.JsonlTracker` under ``./ml_tracker`` by default).
+
+    ``project`` / ``name`` name the run (MLflow experiment / run name), ``id`` resumes an
+    existing run.  ``max_buffer_bytes`` bounds what waits for the tracker (a step publishing
+    into a full buffer waits: backpressure), ``flush_interval`` is the longest a value waits
+    before it is sent.  A failing tracker follows ``on_error``; records it could not take are
+    kept in a spill file under ``spill_dir``.  Rank 0 only by default.
+    """
+
+    rank_zero_only = True
+
+    def __init__(
+        self,
+        project: str,
+        name: str,
+        config: Mapping[str, Any] | None = None,
+        id: str | None = None,
+        tracker: Tracker | None = None,
+        *,
+        max_buffer_bytes: int = 8 << 20,
+        flush_interval: float = 1.0,
+        on_error: OnError = "raise",
+        spill_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        for field, value in (("project", project), ("name", name)):
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"MLTrackerHook.{field}: expected a non-empty str, got {value!r}")
+        if id is not None and (not isinstance(id, str) or not id):
+            raise ValueError(f"MLTrackerHook.id: expected a non-empty str or None, got {id!r}")
+        if config is not None and not isinstance(config, Mapping):
+            raise TypeError(
+                f"MLTrackerHook.config: expected a mapping or None, got {type(config).__name__}"
+            )
+        check_settings(max_buffer_bytes, flush_interval, on_error, owner="MLTrackerHook")
+        if tracker is None:
+            tracker = JsonlTracker()
+        elif not isinstance(tracker, Tracker):
+            raise TypeError(
+                "MLTrackerHook.tracker: expected an object with start/log/finish, "
+                f"got {type(tracker).__name__}"
+            )
+        self.project, self.name, self.id = project, name, id
+        self.config = dict(config or {})
+        self.params = flatten_params(self.config, where="MLTrackerHook.config")
+        self.tracker = tracker
+        self.on_error = on_error  # type: ignore[misc]  # per-instance override of the default
+        self._service_args: dict[str, Any] = {
+            "max_buffer_bytes": max_buffer_bytes,
+            "flush_interval": flush_interval,
+            "on_error": on_error,
+            "spill_dir": spill_dir,
+        }
+        self._service: TrackerService | None = None
+        self._names: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"<MLTrackerHook {self.project}/{self.name} -> {self.tracker!r}>"
+
+    @property
+    def state_key(self) -> str:
+        return f"MLTrackerHook[{self.project}/{self.name}]"
+
+    @property
+    def service(self) -> TrackerService | None:
+        """The background service once attached (its ``stats()`` are in ``bus.stats()``)."""
+        return self._service
+
+    @property
+    def accepting(self) -> bool:
+        """Whether :meth:`log_metrics` can take values now (attached, not closing)."""
+        return self._service is not None and self._service.accepting
+
+    def attach(self, bus: HookBus) -> None:
+        if self._service is not None:
+            raise RuntimeError(f"{self!r} is already attached to a bus")
+        run = RunSpec(project=self.project, name=self.name, run_id=self.id, params=self.params)
+        self._service = TrackerService(self.tracker, run, name=self.state_key, **self._service_args)
+        bus.start_service(self._service)
+
+    async def after_step(self, event: AfterStep) -> None:
+        if event.is_train and event.tracked:
+            await self._put(event.global_step, event.tracked, "AfterStep.tracked", "")
+
+    async def after_eval(self, event: AfterEval) -> None:
+        if event.metrics:
+            await self._put(event.global_step, event.metrics, "AfterEval.metrics", "eval/")
+
+    def end(self, event: End) -> None:
+        if self._service is not None:
+            self._service.set_status(event.status)
+
+    async def log_metrics(self, step: int, values: Mapping[str, Any], *, prefix: str = "") -> None:
+        """Log ``values`` (numbers or arrays) at ``step`` through this hook's tracker.
+
+        For other hooks (e.g. :class:`~recis_async.hooks.MetricReportHook`); waits only when
+        the buffer is full.  Names get ``prefix`` and are checked like tracked values.
+        """
+        if type(step) is not int:
+            raise TypeError(f"MLTrackerHook.log_metrics(step=...): expected int, got {step!r}")
+        await self._put(step, values, "log_metrics(values)", prefix)
+
+    async def flush(self) -> None:
+        """Send every buffered value to the tracker now and wait until it took them."""
+        if self._service is not None:
+            await self._service.flush()
+
+    async def _put(self, step: int, values: Mapping[str, Any], where: str, prefix: str) -> None:
+        service = self._service
+        if service is None:
+            raise RuntimeError(f"{self!r} is not attached to a bus (bus.add_hook(hook) first)")
+        checked: dict[str, Any] = {}
+        names = self._names
+        nbytes = RECORD_OVERHEAD
+        for key, value in values.items():
+            full = prefix + key if prefix else key
+            if full not in names:
+                check_metric_name(full, where=f"{where} key")
+                names.add(full)
+            if type(value) is not float:  # floats (the common case) need no conversion
+                value = to_tracked_value(key, value, where=where)
+                if type(value) is not float:
+                    nbytes += value.nbytes
+            checked[full] = value
+            nbytes += VALUE_OVERHEAD + len(full)
+        if checked:
+            await service.put(StepRecord(step, time.time(), checked), nbytes)

@@ -1,0 +1,160 @@
+"""ProfilerHook: ``torch.profiler`` on a wait/warmup/active/repeat schedule over training steps.
+
+The profiler starts at the first training step and advances on every training ``AfterStep``.
+When a cycle's active steps end, the recorded trace is handed to a background job that writes
+``<output_dir>/<rank>-timeline-<global_step>.json`` (Chrome trace format, open it in
+``chrome://tracing`` or Perfetto) in a worker thread, through a temporary name so no partial
+file is ever visible.  ``End`` stops the profiler, exporting a cycle cut short.
+
+Each cycle has its own profile object, so exporting cycle *n* in the background never races
+with recording cycle *n+1*.  Note that kineto's writer holds the GIL while it serialises, so
+the training thread still pauses for roughly the export time (milliseconds per MB of trace)
+once per cycle; the step itself never waits on the file system.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import anyio
+import torch
+
+from ..events import AfterStep, BeforeStep, End
+from ..hook import Hook
+from ._jobs import JobQueue
+
+if TYPE_CHECKING:
+    from ..bus import HookBus
+
+__all__ = ["ProfilerHook"]
+
+log = logging.getLogger(__name__)
+
+
+class _Export(NamedTuple):
+    profile: Any  # torch.autograd.profiler.profile of one finished cycle
+    path: Path
+
+
+class ProfilerHook(Hook):
+    """Profile training steps with ``torch.profiler`` and export Chrome traces off the step.
+
+    ``wait``, ``warmup``, ``active`` and ``repeat`` are ``torch.profiler.schedule``'s
+    (``repeat=0`` repeats until the run ends).  CPU activity is always recorded, CUDA too
+    when available, with shapes, memory and FLOPs as in RecIS.
+    """
+
+    def __init__(
+        self,
+        wait: int = 1,
+        warmup: int = 48,
+        active: int = 1,
+        repeat: int = 4,
+        output_dir: str | os.PathLike[str] = "./",
+    ) -> None:
+        for field, value, low in (
+            ("wait", wait, 0),
+            ("warmup", warmup, 0),
+            ("active", active, 1),
+            ("repeat", repeat, 0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                expected = "a positive int" if low else "an int >= 0"
+                raise ValueError(f"ProfilerHook.{field}: expected {expected}, got {value!r}")
+        path = Path(output_dir)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(
+                f"ProfilerHook.output_dir: expected a writable directory, got {str(output_dir)!r} "
+                f"({exc})"
+            ) from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(
+                f"ProfilerHook.output_dir: expected a writable directory, got {str(output_dir)!r} "
+                "(no write permission)"
+            )
+        self.wait, self.warmup, self.active, self.repeat = wait, warmup, active, repeat
+        self.output_dir = path
+        self.exported: list[Path] = []
+        self._rank = 0
+        self._prof: torch.profiler.profile | None = None
+        self._running = False
+        self._step = 0
+        self._ready: list[_Export] = []
+        self._jobs: JobQueue[_Export] | None = None
+
+    def attach(self, bus: HookBus) -> None:
+        if self._jobs is not None:
+            raise RuntimeError("ProfilerHook is already attached to a bus")
+        self._rank = bus.rank
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._prof = torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(
+                wait=self.wait, warmup=self.warmup, active=self.active, repeat=self.repeat
+            ),
+            on_trace_ready=self._trace_ready,
+            record_shapes=True,
+            profile_memory=True,
+            with_flops=True,
+        )
+        self._jobs = JobQueue(
+            "ProfilerHook.export", self._export, capacity=2, on_error=self.on_error
+        )
+        bus.start_service(self._jobs)
+
+    def _trace_ready(self, prof: torch.profiler.profile) -> None:
+        # Called inside prof.step()/stop() on the training thread: only take the cycle's
+        # results; the file is written by the background job.
+        path = self.output_dir / f"{self._rank}-timeline-{self._step}.json"
+        self._ready.append(_Export(prof.profiler, path))
+
+    def before_step(self, event: BeforeStep) -> None:
+        if event.is_train and not self._running and self._prof is not None:
+            self._prof.start()
+            self._running = True
+
+    async def after_step(self, event: AfterStep) -> None:
+        if not event.is_train or self._prof is None:
+            return
+        self._step = event.global_step
+        if not self._running:  # the loop publishes no BeforeStep: start after this step
+            self._prof.start()
+            self._running = True
+            return
+        self._prof.step()
+        await self._hand_over()
+
+    async def end(self, event: End) -> None:
+        if self._running and self._prof is not None:
+            self._running = False
+            self._prof.stop()
+        await self._hand_over()
+
+    async def _hand_over(self) -> None:
+        if self._ready and self._jobs is not None:
+            ready, self._ready = self._ready, []
+            for job in ready:
+                await self._jobs.put(job)
+
+    async def _export(self, job: _Export) -> None:
+        tmp = job.path.with_name(f".{job.path.name}.{secrets.token_hex(4)}.tmp")
+
+        def write() -> None:
+            try:
+                job.profile.export_chrome_trace(str(tmp))
+                os.replace(tmp, job.path)
+            finally:
+                if tmp.exists():
+                    tmp.unlink()
+
+        await anyio.to_thread.run_sync(write)
+        self.exported.append(job.path)
+        log.info("ProfilerHook: wrote %s", job.path)

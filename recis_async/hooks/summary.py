@@ -1,0 +1,110 @@
+"""SummarySaverHook: TensorBoard summaries every ``save_steps`` training steps.
+
+Numeric metrics of the step (``AfterStep.metrics``) become scalars, array metrics
+histograms, and, when a model is given, every parameter a histogram under ``params/``.  The
+values are copied on the step (parameters to CPU arrays, so later updates do not leak into
+the summary) and written by a :class:`~recis_async.trackers.TrackerService` driving a
+:class:`~recis_async.trackers.TensorBoardTracker` in a worker thread.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ..events import AfterStep, End
+from ..hook import Hook
+from ..trackers import RunSpec, StepRecord, TrackerService
+from ..trackers.base import check_metric_name, to_tracked_value
+from ..trackers.service import check_settings
+from ..trackers.tensorboard import TensorBoardTracker
+
+if TYPE_CHECKING:
+    from ..bus import HookBus
+
+__all__ = ["SummarySaverHook"]
+
+
+class SummarySaverHook(Hook):
+    """Write scalars and histograms to TensorBoard event files in ``output_dir`` (rank 0)."""
+
+    rank_zero_only = True
+
+    def __init__(
+        self,
+        save_steps: int,
+        output_dir: str | os.PathLike[str],
+        *,
+        model: torch.nn.Module | None = None,
+        max_buffer_bytes: int = 64 << 20,
+    ) -> None:
+        if isinstance(save_steps, bool) or not isinstance(save_steps, int) or save_steps <= 0:
+            raise ValueError(
+                f"SummarySaverHook.save_steps: expected a positive int, got {save_steps!r}"
+            )
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                "SummarySaverHook.model: expected a torch.nn.Module or None, "
+                f"got {type(model).__name__}"
+            )
+        check_settings(max_buffer_bytes, 0.0, "raise", owner="SummarySaverHook")
+        try:
+            self.tracker = TensorBoardTracker(output_dir, subdir=False)
+        except ValueError as exc:
+            raise ValueError(
+                str(exc).replace("TensorBoardTracker.log_dir", "SummarySaverHook.output_dir")
+            ) from None
+        self.save_steps = save_steps
+        self.model = model
+        self.max_buffer_bytes = max_buffer_bytes
+        self._count = 0
+        self._names: set[str] = set()
+        self._service: TrackerService | None = None
+
+    @property
+    def service(self) -> TrackerService | None:
+        return self._service
+
+    def attach(self, bus: HookBus) -> None:
+        if self._service is not None:
+            raise RuntimeError("SummarySaverHook is already attached to a bus")
+        self._service = TrackerService(
+            self.tracker,
+            RunSpec(project="summary", name="summary"),
+            name="SummarySaverHook",
+            max_buffer_bytes=self.max_buffer_bytes,
+            flush_interval=0.0,
+            on_error=self.on_error,
+        )
+        bus.start_service(self._service)
+
+    async def after_step(self, event: AfterStep) -> None:
+        if not event.is_train:
+            return
+        self._count += 1
+        if self._count % self.save_steps or self._service is None:
+            return
+        values: dict[str, Any] = {}
+        for key, value in event.metrics.items():
+            if key not in self._names:
+                check_metric_name(key, where="AfterStep.metrics key")
+                self._names.add(key)
+            values[key] = to_tracked_value(key, value, where="AfterStep.metrics")
+        if self.model is not None:
+            for name, param in self.model.named_parameters():
+                values[f"params/{name}"] = (
+                    param.detach().to("cpu", dtype=torch.float32, copy=True).numpy()
+                )
+        values = {
+            k: v for k, v in values.items() if not (isinstance(v, np.ndarray) and v.size == 0)
+        }
+        if values:
+            await self._service.put(StepRecord(event.global_step, time.time(), values))
+
+    def end(self, event: End) -> None:
+        if self._service is not None:
+            self._service.set_status(event.status)

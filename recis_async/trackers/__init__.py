@@ -1,0 +1,47 @@
+"""Experiment trackers behind one small blocking protocol, fed off the step by a service.
+
+``JsonlTracker`` is the embedded default; ``MlflowTracker`` and ``TensorBoardTracker`` need
+the ``mlflow`` / ``tensorboard`` extras and import them only when built.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .base import RunSpec, StepRecord, Tracker, check_metric_name, flatten_params
+from .jsonl import JsonlTracker, read_records
+from .service import TrackerError, TrackerService
+from .subprocess import SubprocessTracker
+
+if TYPE_CHECKING:
+    from .mlflow import MlflowTracker
+    from .tensorboard import TensorBoardTracker
+
+__all__ = [
+    "Tracker",
+    "RunSpec",
+    "StepRecord",
+    "JsonlTracker",
+    "MlflowTracker",
+    "TensorBoardTracker",
+    "SubprocessTracker",
+    "TrackerService",
+    "TrackerError",
+    "read_records",
+    "check_metric_name",
+    "flatten_params",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # The optional backends live in their own modules so importing this package never
+    # pulls in mlflow or tensorboard.
+    if name == "MlflowTracker":
+        from .mlflow import MlflowTracker
+
+        return MlflowTracker
+    if name == "TensorBoardTracker":
+        from .tensorboard import TensorBoardTracker
+
+        return TensorBoardTracker
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

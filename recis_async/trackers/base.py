@@ -1,0 +1,203 @@
+"""The tracker contract: what a run is, what a logged step is, and the calls a tracker answers.
+
+Trackers are plain blocking objects.  They are only ever called from one worker thread at a
+time (by :class:`~recis_async.trackers.TrackerService`), in the order ``start`` -> ``log``* ->
+``finish``, so they need no locking and may use blocking client libraries freely.
+"""
+
+from __future__ import annotations
+
+import math
+import posixpath
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import msgspec
+import numpy as np
+
+from ..events import EndStatus
+
+__all__ = [
+    "RunSpec",
+    "StepRecord",
+    "Tracker",
+    "check_metric_name",
+    "flatten_params",
+    "to_tracked_value",
+    "record_nbytes",
+]
+
+_NAME_CHARS = re.compile(r"^[/\w.\- :]+$")
+MAX_NAME_LENGTH = 250
+
+
+class RunSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Which run a tracker opens: ``run_id`` resumes an existing run when the tracker can."""
+
+    project: str
+    name: str
+    run_id: str | None = None
+    params: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class StepRecord(msgspec.Struct, frozen=True):
+    """The values logged for one step.
+
+    ``time`` is wall-clock seconds since the epoch (trackers store it as the point's
+    timestamp).  A value is a float or a float64 numpy array (histograms / arrays).
+    """
+
+    step: int
+    time: float
+    values: dict[str, Any]
+
+
+@runtime_checkable
+class Tracker(Protocol):
+    """An experiment tracker behind three blocking calls, made from a worker thread."""
+
+    def start(self, run: RunSpec) -> None:
+        """Open (or resume) the run and record its params."""
+        ...
+
+    def log(self, records: Sequence[StepRecord]) -> None:
+        """Store the records; return only when they are handed to the backing store."""
+        ...
+
+    def finish(self, status: EndStatus) -> None:
+        """Mark the run ended with ``status`` and release resources."""
+        ...
+
+
+def check_metric_name(name: object, *, where: str = "metric name") -> str:
+    """Validate a metric or param name under the strictest common rule (MLflow's).
+
+    Names may hold letters, digits, ``_ - . / : `` and spaces, at most 250 characters, and
+    must not change under path normalisation (no ``a//b``, ``./a``, ``../a``, ``/a``).
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"{where}: expected str, got {type(name).__name__} ({name!r})")
+    if not name or len(name) > MAX_NAME_LENGTH:
+        raise ValueError(
+            f"{where}: expected 1..{MAX_NAME_LENGTH} characters, got {len(name)} ({name[:40]!r})"
+        )
+    if not _NAME_CHARS.match(name):
+        raise ValueError(
+            f"{where}: expected only letters, digits, '_', '-', '.', '/', ':' and spaces, "
+            f"got {name!r}"
+        )
+    norm = posixpath.normpath(name)
+    if norm != name or norm == "." or norm.startswith(("..", "/")):
+        raise ValueError(f"{where}: expected a normalised path-like name, got {name!r}")
+    return name
+
+
+def flatten_params(config: Mapping[str, Any], *, where: str = "config") -> dict[str, Any]:
+    """Flatten nested mappings into ``a.b.c`` keys.
+
+    Leaves that are JSON values (str, numbers, bools, None, lists of those) stay as given;
+    anything else (paths, dtypes, objects) is stored as its ``str``.
+
+    Keys are validated with :func:`check_metric_name` so a bad key fails here, at
+    construction, and not in a background flush.
+    """
+    out: dict[str, Any] = {}
+
+    def walk(prefix: str, node: Mapping[str, Any]) -> None:
+        for key, value in node.items():
+            if not isinstance(key, str):
+                raise TypeError(
+                    f"{where}: keys must be str, got {type(key).__name__} ({key!r}) "
+                    f"under {prefix or '<root>'!r}"
+                )
+            full = f"{prefix}.{key}" if prefix else key
+            if isinstance(value, Mapping) and value:
+                walk(full, value)
+            else:
+                check_metric_name(full, where=f"{where} key")
+                out[full] = _plain(value)
+
+    walk("", config)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """A param value every store can encode: JSON scalars and lists stay, others become str."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, np.generic):
+        return value.item()
+    return str(value)
+
+
+def to_tracked_value(name: str, value: object, *, where: str) -> float | np.ndarray:
+    """Normalise one tracked value: numbers become ``float``, sequences float64 arrays.
+
+    Raises ``TypeError`` naming ``where[name]`` for anything else (strings, dicts, ragged
+    lists), so bad input fails at the publish that carried it.
+    """
+    if isinstance(value, (bool, int, float, np.number, np.bool_)):
+        return float(value)
+    if isinstance(value, (list, tuple, np.ndarray)):
+        try:
+            arr = np.asarray(value, dtype=np.float64)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"{where}[{name!r}]: expected a number or a (nested) list/array of numbers, "
+                f"got {type(value).__name__} that does not convert to float64 ({exc})"
+            ) from None
+        if arr.ndim == 0:
+            return float(arr)
+        return arr
+    raise TypeError(
+        f"{where}[{name!r}]: expected a number or a list/array of numbers, "
+        f"got {type(value).__name__} ({value!r:.60})"
+    )
+
+
+RECORD_OVERHEAD = 64  # bytes counted per record besides its values
+VALUE_OVERHEAD = 48  # bytes counted per value besides its name and array payload
+
+
+def record_nbytes(record: StepRecord) -> int:
+    """Bytes a record holds for buffer accounting (payload plus a fixed per-entry cost)."""
+    total = RECORD_OVERHEAD
+    for key, value in record.values.items():
+        total += VALUE_OVERHEAD + len(key)
+        if isinstance(value, np.ndarray):
+            total += value.nbytes
+    return total
+
+
+def encode_value(obj: Any) -> Any:
+    """``enc_hook`` for msgspec: numpy arrays and scalars become JSON lists / numbers."""
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+def params_for_text(params: Mapping[str, Any]) -> dict[str, str | float | bool]:
+    """Params as the scalar types text-based stores accept (others via ``str``)."""
+    out: dict[str, str | float | bool] = {}
+    for key, value in params.items():
+        if isinstance(value, bool):
+            out[key] = value
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = float(value) if math.isfinite(value) else str(value)
+        elif isinstance(value, str):
+            out[key] = value
+        else:
+            out[key] = str(value)
+    return out
+
+
+def chunked(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]

@@ -1,0 +1,230 @@
+"""MlflowTracker: runs in an MLflow tracking store through ``MlflowClient``.
+
+``project`` is the experiment, ``name`` the run name, ``run_id`` resumes a run.  Scalars are
+metrics sent with ``log_batch`` in requests of at most 1000 metrics and about 1 MB (MLflow's
+own limits); arrays, which MLflow metrics cannot hold, go to a ``tracked/arrays.jsonl``
+artifact uploaded when the run finishes.  Params are flattened (``a.b``) and sent 100 per
+request; values longer than MLflow's 6000 characters are cut with a warning.
+
+mlflow is an optional extra and is imported when the tracker is built.  The client is only
+used from the tracker's worker thread, and no global mlflow state (active run, tracking
+URI) is touched, so several trackers can coexist in one process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from typing import IO, Any
+from urllib.parse import urlsplit
+
+import msgspec
+import numpy as np
+
+from ..events import EndStatus
+from .base import RunSpec, StepRecord, chunked, encode_value
+
+__all__ = ["MlflowTracker", "STATUS_MAP"]
+
+log = logging.getLogger(__name__)
+
+#: End.status -> MLflow run status.
+STATUS_MAP: dict[str, str] = {
+    "ok": "FINISHED",
+    "failed": "FAILED",
+    "cancelled": "KILLED",
+    "preempted": "KILLED",
+}
+
+MAX_METRICS_PER_REQUEST = 1000
+MAX_REQUEST_BYTES = 1_000_000
+MAX_PARAMS_PER_REQUEST = 100
+MAX_PARAM_VALUE_CHARS = 6000
+# JSON framing of one metric in a REST request besides its key: value, timestamp, step.
+_METRIC_OVERHEAD_BYTES = 96
+
+
+def _import_mlflow() -> Any:
+    try:
+        import mlflow
+    except ImportError as exc:
+        raise ImportError(
+            "MlflowTracker needs the mlflow package: pip install recis_async[mlflow]"
+        ) from exc
+    return mlflow
+
+
+def metric_requests(metrics: Sequence[Any]) -> list[list[Any]]:
+    """Split MLflow ``Metric`` entities into requests of <= 1000 metrics and <= ~1 MB."""
+    requests: list[list[Any]] = []
+    current: list[Any] = []
+    size = 0
+    for metric in metrics:
+        nbytes = len(metric.key.encode()) + _METRIC_OVERHEAD_BYTES
+        full = len(current) >= MAX_METRICS_PER_REQUEST or size + nbytes > MAX_REQUEST_BYTES
+        if current and full:
+            requests.append(current)
+            current, size = [], 0
+        current.append(metric)
+        size += nbytes
+    if current:
+        requests.append(current)
+    return requests
+
+
+class MlflowTracker:
+    """Log to MLflow.  ``tracking_uri`` may be ``sqlite:///path.db`` (local, offline), an
+    ``http(s)://`` server, or any URI mlflow accepts; ``None`` uses mlflow's default."""
+
+    def __init__(
+        self,
+        tracking_uri: str | None = None,
+        *,
+        artifact_location: str | None = None,
+        tags: dict[str, str] | None = None,
+    ) -> None:
+        self._mlflow = _import_mlflow()
+        self.tracking_uri = tracking_uri
+        self.artifact_location = artifact_location
+        self.tags = dict(tags or {})
+        self.run_id: str | None = None
+        self._client: Any = None
+        self._array_dir: str | None = None
+        self._arrays: IO[bytes] | None = None
+        self._encoder = msgspec.json.Encoder(enc_hook=encode_value)
+
+    def __repr__(self) -> str:
+        # The URI may carry user:password for an http server; never show it.
+        return f"MlflowTracker(run_id={self.run_id!r})"
+
+    def _scrubbed(self, fn: Callable[..., None], *args: Any) -> None:
+        """Call ``fn``; errors are re-raised with the tracking URI's password masked (the
+        clients quote request URLs in their messages)."""
+        secret = urlsplit(self.tracking_uri or "").password
+        if not secret:
+            fn(*args)
+            return
+        try:
+            fn(*args)
+            return
+        except Exception as exc:
+            error = RuntimeError(
+                f"MlflowTracker: {type(exc).__name__}: {exc}".replace(secret, "***")
+            )
+        # Raised outside the handler so the original is not even its __context__.
+        raise error
+
+    def start(self, run: RunSpec) -> None:
+        self._scrubbed(self._start, run)
+
+    def log(self, records: Sequence[StepRecord]) -> None:
+        self._scrubbed(self._log, records)
+
+    def finish(self, status: EndStatus) -> None:
+        self._scrubbed(self._finish, status)
+
+    def _start(self, run: RunSpec) -> None:
+        from mlflow import MlflowClient
+        from mlflow.entities import Param
+
+        client = MlflowClient(tracking_uri=self.tracking_uri)
+        if run.run_id:
+            existing = client.get_run(run.run_id)
+            run_id = existing.info.run_id
+            client.update_run(run_id, status="RUNNING")
+            old_params = dict(existing.data.params)
+        else:
+            experiment_id = self._experiment_id(client, run.project)
+            created = client.create_run(experiment_id, run_name=run.name, tags=self.tags or None)
+            run_id = created.info.run_id
+            old_params = {}
+        params = []
+        for key, value in run.params.items():
+            text = str(value)
+            if len(text) > MAX_PARAM_VALUE_CHARS:
+                log.warning(
+                    "MlflowTracker: param %r is %d characters; MLflow keeps %d, the rest is cut",
+                    key,
+                    len(text),
+                    MAX_PARAM_VALUE_CHARS,
+                )
+                text = text[:MAX_PARAM_VALUE_CHARS]
+            if key in old_params:
+                if old_params[key] != text:
+                    log.warning(
+                        "MlflowTracker: resumed run %s already has param %r=%r; "
+                        "MLflow params are immutable, keeping it (new value %r not logged)",
+                        run_id,
+                        key,
+                        old_params[key],
+                        text,
+                    )
+                continue
+            params.append(Param(key, text))
+        for part in chunked(params, MAX_PARAMS_PER_REQUEST):
+            client.log_batch(run_id, params=list(part), synchronous=True)
+        self._client, self.run_id = client, run_id
+
+    def _experiment_id(self, client: Any, project: str) -> str:
+        found = client.get_experiment_by_name(project)
+        if found is not None:
+            return str(found.experiment_id)
+        try:
+            return str(client.create_experiment(project, artifact_location=self.artifact_location))
+        except self._mlflow.exceptions.MlflowException:
+            # Another rank or process created it between our lookup and create.
+            found = client.get_experiment_by_name(project)
+            if found is None:
+                raise
+            return str(found.experiment_id)
+
+    def _log(self, records: Sequence[StepRecord]) -> None:
+        from mlflow.entities import Metric
+
+        if self._client is None or self.run_id is None:
+            raise RuntimeError("MlflowTracker.log: the run is not started")
+        metrics: list[Any] = []
+        arrays: list[StepRecord] = []
+        for record in records:
+            timestamp = int(record.time * 1000)
+            array_values: dict[str, Any] = {}
+            for key, value in record.values.items():
+                if isinstance(value, np.ndarray):
+                    array_values[key] = value
+                else:
+                    metrics.append(Metric(key, float(value), timestamp, record.step))
+            if array_values:
+                arrays.append(StepRecord(record.step, record.time, array_values))
+        for request in metric_requests(metrics):
+            self._client.log_batch(self.run_id, metrics=request, synchronous=True)
+        if arrays:
+            self._spool_arrays(arrays)
+
+    def _spool_arrays(self, records: list[StepRecord]) -> None:
+        if self._arrays is None:
+            self._array_dir = tempfile.mkdtemp(prefix="recis_async_mlflow_")
+            self._arrays = open(os.path.join(self._array_dir, "arrays.jsonl"), "ab")
+        buf = bytearray()
+        for record in records:
+            self._encoder.encode_into(record, buf, -1)
+            buf += b"\n"
+        self._arrays.write(buf)
+        self._arrays.flush()
+
+    def _finish(self, status: EndStatus) -> None:
+        if self._client is None or self.run_id is None:
+            return
+        try:
+            if self._arrays is not None and self._array_dir is not None:
+                self._arrays.close()
+                self._arrays = None
+                self._client.log_artifact(
+                    self.run_id, os.path.join(self._array_dir, "arrays.jsonl"), "tracked"
+                )
+                shutil.rmtree(self._array_dir, ignore_errors=True)
+                self._array_dir = None
+        finally:
+            self._client.set_terminated(self.run_id, status=STATUS_MAP[status])

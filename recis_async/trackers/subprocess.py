@@ -1,0 +1,193 @@
+"""SubprocessTracker: run any tracker in a child process, out of the training process's GIL.
+
+Tracker clients are mostly Python (MLflow's store does SQL through SQLAlchemy, REST through
+requests).  In a worker thread that code still takes the GIL from the training thread; at a
+few thousand metrics per second that costs several percent of a small model's step rate.
+``SubprocessTracker(factory)`` builds the real tracker in a child process and forwards
+``start`` / ``log`` / ``finish`` over a pipe as msgpack (arrays as raw bytes), so the
+training process only encodes the batch and waits on the pipe with the GIL released.
+
+``factory`` must be picklable (a class, a module-level function, or a ``functools.partial``
+of them), e.g. ``SubprocessTracker(functools.partial(MlflowTracker, "sqlite:///runs.db"))``.
+The child is started with the ``spawn`` method by default, so the program's main module
+must be import-safe (``if __name__ == "__main__":``), as for any multiprocessing code.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import pickle
+import traceback
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from ..events import EndStatus
+from .base import RunSpec, StepRecord, Tracker
+
+__all__ = ["SubprocessTracker"]
+
+_ARRAY_EXT = 1
+
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        arr = np.ascontiguousarray(obj)
+        header = msgspec.msgpack.encode((arr.dtype.str, arr.shape))
+        return msgspec.msgpack.Ext(
+            _ARRAY_EXT, len(header).to_bytes(4, "little") + header + arr.tobytes()
+        )
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise NotImplementedError(f"cannot send {type(obj).__name__} to the tracker process")
+
+
+def _ext_hook(code: int, data: memoryview) -> Any:
+    if code != _ARRAY_EXT:
+        raise ValueError(f"unknown msgpack extension {code}")
+    size = int.from_bytes(data[:4], "little")
+    dtype, shape = msgspec.msgpack.decode(data[4 : 4 + size])
+    return np.frombuffer(data[4 + size :], dtype=np.dtype(dtype)).reshape(shape).copy()
+
+
+class _Call(msgspec.Struct, array_like=True):
+    op: str
+    run: RunSpec | None = None
+    records: list[StepRecord] | None = None
+    status: str | None = None
+
+
+class _Reply(msgspec.Struct, array_like=True):
+    ok: bool
+    error: str = ""
+
+
+def _serve(conn: Connection, factory_pickle: bytes) -> None:
+    """Child process: build the tracker, answer calls until ``finish`` or the pipe closes."""
+    decoder = msgspec.msgpack.Decoder(_Call, ext_hook=_ext_hook)
+    encoder = msgspec.msgpack.Encoder()
+    tracker: Any = None
+    try:
+        while True:
+            try:
+                call = decoder.decode(conn.recv_bytes())
+            except EOFError:
+                return
+            try:
+                if call.op == "start":
+                    tracker = pickle.loads(factory_pickle)()
+                    tracker.start(call.run)
+                elif call.op == "log":
+                    tracker.log(call.records or [])
+                else:
+                    tracker.finish(call.status)
+            except Exception as exc:
+                text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+                conn.send_bytes(encoder.encode(_Reply(False, text)))
+            else:
+                conn.send_bytes(encoder.encode(_Reply(True)))
+            if call.op == "finish":
+                return
+    finally:
+        conn.close()
+
+
+class SubprocessTracker:
+    """A :class:`~recis_async.trackers.Tracker` that runs ``factory()`` in a child process."""
+
+    def __init__(
+        self,
+        factory: Callable[[], Tracker],
+        *,
+        start_method: str = "spawn",
+        call_timeout: float = 300.0,
+    ) -> None:
+        if not callable(factory):
+            raise TypeError(f"SubprocessTracker.factory: expected a callable, got {factory!r}")
+        try:
+            self._factory = pickle.dumps(factory)
+        except Exception as exc:
+            raise ValueError(
+                "SubprocessTracker.factory: expected a picklable callable (a class, a module-level "
+                f"function or functools.partial of one), got {factory!r} ({exc})"
+            ) from None
+        if start_method not in multiprocessing.get_all_start_methods():
+            raise ValueError(
+                f"SubprocessTracker.start_method: expected one of "
+                f"{multiprocessing.get_all_start_methods()}, got {start_method!r}"
+            )
+        if not call_timeout > 0:
+            raise ValueError(
+                f"SubprocessTracker.call_timeout: expected seconds > 0, got {call_timeout!r}"
+            )
+        self.start_method = start_method
+        self.call_timeout = float(call_timeout)
+        target = factory.func if isinstance(factory, functools.partial) else factory
+        self._describe = getattr(target, "__qualname__", None) or type(target).__name__
+        self._proc: Any = None
+        self._conn: Connection | None = None
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+        self._decoder = msgspec.msgpack.Decoder(_Reply)
+
+    def __repr__(self) -> str:
+        return f"SubprocessTracker({self._describe})"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else int(self._proc.pid)
+
+    def start(self, run: RunSpec) -> None:
+        ctx: Any = multiprocessing.get_context(self.start_method)
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(
+            target=_serve, args=(child, self._factory), daemon=True, name="recis_async-tracker"
+        )
+        proc.start()
+        child.close()
+        self._proc, self._conn = proc, parent
+        self._call(_Call("start", run=run))
+
+    def log(self, records: Sequence[StepRecord]) -> None:
+        self._call(_Call("log", records=list(records)))
+
+    def finish(self, status: EndStatus) -> None:
+        if self._conn is None:
+            return
+        try:
+            self._call(_Call("finish", status=status))
+        finally:
+            self._stop()
+
+    def _call(self, call: _Call) -> None:
+        conn = self._conn
+        if conn is None:
+            raise RuntimeError(f"{self!r}: {call.op} before start")
+        try:
+            conn.send_bytes(self._encoder.encode(call))
+            if not conn.poll(self.call_timeout):
+                raise TimeoutError(f"{self!r}: {call.op} got no answer in {self.call_timeout}s")
+            reply = self._decoder.decode(conn.recv_bytes())
+        except (EOFError, OSError) as exc:
+            proc = self._proc
+            self._stop()
+            code = None if proc is None else proc.exitcode
+            raise RuntimeError(
+                f"{self!r}: the tracker process is gone during {call.op} (exit code {code})"
+            ) from exc
+        if not reply.ok:
+            raise RuntimeError(f"{self!r}: {call.op} failed in the tracker process: {reply.error}")
+
+    def _stop(self) -> None:
+        conn, proc = self._conn, self._proc
+        self._conn = None
+        if conn is not None:
+            conn.close()
+        if proc is not None:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)

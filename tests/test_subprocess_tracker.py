@@ -1,0 +1,126 @@
+"""SubprocessTracker: a real child process running a real tracker, outputs read back."""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from recis_async import HookBus, HookError
+from recis_async.events import AfterStep
+from recis_async.hooks import MLTrackerHook
+from recis_async.trackers import (
+    JsonlTracker,
+    MlflowTracker,
+    RunSpec,
+    StepRecord,
+    SubprocessTracker,
+    read_records,
+)
+
+
+class RefusingTracker(JsonlTracker):
+    """Fails on steps >= 100 and dies on step 666 (module level: the child imports it)."""
+
+    def log(self, records: Sequence[StepRecord]) -> None:
+        if any(r.step == 666 for r in records):
+            os._exit(3)
+        if any(r.step >= 100 for r in records):
+            raise PermissionError("token expired")
+        super().log(records)
+
+
+def _run_dir(root: Path) -> Path:
+    (project,) = list(root.iterdir())
+    (run,) = list(project.iterdir())
+    return run
+
+
+def test_forwards_calls_and_arrays(tmp_path: Path) -> None:
+    tracker = SubprocessTracker(functools.partial(JsonlTracker, tmp_path))
+    tracker.start(RunSpec(project="p", name="n", params={"lr": 0.1, "dims": [1, 2]}))
+    assert tracker.pid is not None and tracker.pid != os.getpid()
+    records = [
+        StepRecord(s, time.time(), {"loss": s / 10, "emb": np.arange(4, dtype=np.float32) * s})
+        for s in range(50)
+    ]
+    tracker.log(records[:20])
+    tracker.log(records[20:])
+    tracker.finish("preempted")
+    run = _run_dir(tmp_path)
+    back = read_records(run / "metrics.jsonl")
+    assert [r.step for r in back] == list(range(50))
+    assert back[7].values == {"loss": 0.7, "emb": [0.0, 7.0, 14.0, 21.0]}
+    assert b'"status":"preempted"' in (run / "run.json").read_bytes()
+    assert b'"dims":[1,2]' in (run / "params.json").read_bytes()
+
+
+def test_child_errors_and_death_become_errors_here(tmp_path: Path) -> None:
+    tracker = SubprocessTracker(functools.partial(RefusingTracker, tmp_path))
+    tracker.start(RunSpec(project="p", name="n"))
+    tracker.log([StepRecord(1, 0.0, {"x": 1.0})])
+    with pytest.raises(
+        RuntimeError, match="log failed in the tracker process: PermissionError: token expired"
+    ):
+        tracker.log([StepRecord(100, 0.0, {"x": 1.0})])
+    tracker.log([StepRecord(2, 0.0, {"x": 2.0})])  # the child survives a failed call
+    with pytest.raises(RuntimeError, match=r"tracker process is gone during log \(exit code 3\)"):
+        tracker.log([StepRecord(666, 0.0, {"x": 1.0})])
+    assert [r.step for r in read_records(_run_dir(tmp_path) / "metrics.jsonl")] == [1, 2]
+
+
+def test_constructor_validation() -> None:
+    with pytest.raises(
+        ValueError, match="SubprocessTracker.factory: expected a picklable callable"
+    ):
+        SubprocessTracker(lambda: JsonlTracker())
+    with pytest.raises(TypeError, match="expected a callable, got 3"):
+        SubprocessTracker(3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="start_method: expected one of"):
+        SubprocessTracker(JsonlTracker, start_method="teleport")
+    with pytest.raises(RuntimeError, match="log before start"):
+        SubprocessTracker(JsonlTracker).log([])
+
+
+@pytest.mark.anyio
+async def test_mlflow_in_a_child_through_the_hook(tmp_path: Path) -> None:
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    factory = functools.partial(MlflowTracker, uri, artifact_location=str(tmp_path / "art"))
+    async with HookBus() as bus:
+        bus.add_hook(MLTrackerHook("sub", "run", {"lr": 0.5}, tracker=SubprocessTracker(factory)))
+        for step in range(300):
+            await bus.publish(AfterStep(global_step=step, tracked={"loss": step / 300}))
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("sub").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.params == {"lr": "0.5"}
+    history = client.get_metric_history(run.info.run_id, "loss")
+    assert sorted(m.step for m in history) == list(range(300))
+
+
+@pytest.mark.anyio
+async def test_child_failure_follows_on_error_raise(tmp_path: Path) -> None:
+    hook = MLTrackerHook(
+        "p",
+        "n",
+        {},
+        tracker=SubprocessTracker(functools.partial(RefusingTracker, tmp_path / "runs")),
+        flush_interval=0,
+        spill_dir=tmp_path / "spill",
+    )
+    with pytest.raises(HookError, match="token expired"):
+        async with HookBus() as bus:
+            bus.add_hook(hook)
+            for step in range(98, 103):
+                await bus.publish(AfterStep(global_step=step, tracked={"loss": 1.0}))
+    assert hook.service is not None and hook.service.spill_path is not None
+    delivered = read_records(_run_dir(tmp_path / "runs") / "metrics.jsonl")
+    spilled = read_records(hook.service.spill_path)
+    assert sorted(r.step for r in delivered + spilled) == list(range(98, 103))
