@@ -10,7 +10,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 import pytest
+from odps_server import TEST_ACCESS_ID, TEST_SECRET, OdpsServer, read_with_pyodps
+
+from recis_async.hooks import list_checkpoints
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -24,8 +28,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def torchrun(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+def torchrun(
+    script: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     cmd = [
         sys.executable,
         "-m",
@@ -73,3 +79,48 @@ def test_uneven_data_ends_each_epoch_together(tmp_path: Path) -> None:
     # rank 0 runs out at local step 5; rank 1 finishes that step and ends the epoch with it
     assert r0["steps"] == [[0, s] for s in range(5)] + [[1, s] for s in range(5, 10)]
     assert r1["steps"] == [[0, s] for s in range(6)] + [[1, s] for s in range(6, 12)]
+
+
+def test_a_nan_loss_on_one_rank_stops_both_at_the_same_step(tmp_path: Path) -> None:
+    proc = torchrun("dist_train.py", str(tmp_path), "nan")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = results(tmp_path)
+    assert r0["steps"] == r1["steps"] == [[0, s] for s in range(4)]
+    assert "NaN" in r1["stop_reason_seen"] or "nan" in r1["stop_reason_seen"].lower()
+    assert r0["stop_reason_seen"] == "another rank requested a stop"
+
+
+def test_every_ranks_traced_rows_arrive_exactly_once(tmp_path: Path) -> None:
+    with OdpsServer("dist_proj") as server:
+        env = {
+            "TEST_ODPS_ACCESS_ID": TEST_ACCESS_ID,
+            "TEST_ODPS_ACCESS_KEY": TEST_SECRET,
+            "TEST_ODPS_PROJECT": server.project,
+            "TEST_ODPS_ENDPOINT": server.endpoint,
+            "TEST_ODPS_TUNNEL_ENDPOINT": server.tunnel_endpoint,
+        }
+        proc = torchrun("dist_train.py", str(tmp_path), "trace", env=env, timeout=180)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        odps_rows = read_with_pyodps(server, "dist_trace", "dt=20261122")
+    r0, r1 = results(tmp_path)
+    assert r0["steps"] == r1["steps"] == [[0, s] for s in range(12)]
+    expected = sorted((r, s, i) for r in (0, 1) for s in range(12) for i in range(8))
+
+    assert sorted((x["rank"], x["step"], x["row"]) for x in odps_rows) == expected
+
+    folder = tmp_path / "parquet" / "dist_trace" / "dt=20261122"
+    parquet_rows = []
+    for rank in (0, 1):
+        files = sorted(folder.glob(f"part-{rank}-*.parquet"))
+        assert files, f"rank {rank} wrote no part files"
+        for f in files:
+            table = pq.read_table(f)
+            assert set(table.column("rank").to_pylist()) == {rank}  # parts are per rank
+            parquet_rows += zip(
+                *(table.column(c).to_pylist() for c in ("rank", "step", "row")), strict=True
+            )
+    assert sorted(parquet_rows) == expected
+
+    # rank 0 wrote the checkpoints after barriers; both ranks saw the last one on disk
+    assert [step for step, _ in list_checkpoints(tmp_path / "ckpt")][-1] == 12
+    assert r0["checkpoint_step_seen"] == r1["checkpoint_step_seen"] == 12

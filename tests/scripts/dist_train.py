@@ -3,7 +3,11 @@
     torchrun --nproc_per_node=2 dist_train.py OUT_DIR MODE
 
 MODE: ``stop`` (rank 1 requests a stop after step 3), ``fail`` (rank 1's model raises at
-step 3), ``uneven`` (rank 0 has 5 batches, rank 1 has 8; two epochs).  Each rank writes
+step 3), ``uneven`` (rank 0 has 5 batches, rank 1 has 8; two epochs), ``nan`` (rank 1's loss
+is NaN at step 3; ``NanTensorHook(fail_on_nan_loss=False)`` on every rank), ``trace`` (every
+rank traces 8 rows a step to Parquet under OUT_DIR and to the ODPS service named by the
+``TEST_ODPS_*`` environment, ``StopAtStepHook(last_step=12)``, ``LoggerHook``,
+``CheckpointSaverHook`` every 4 steps into OUT_DIR/ckpt).  Each rank writes
 ``OUT_DIR/rank<r>.json``: the AfterStep steps it saw, how the run ended, and any error text.
 """
 
@@ -20,22 +24,46 @@ import anyio
 import torch
 import torch.distributed as tdist
 
-from recis_async import Hook, HookBus, Trainer, TrainingArguments
+import os
+
+from recis_async import Hook, HookBus, Trainer, TrainingArguments, add_to_trace
 from recis_async.events import AfterStep, End
+from recis_async.hooks import (
+    CheckpointSaverHook,
+    LoggerHook,
+    NanTensorHook,
+    StopAtStepHook,
+    TraceHook,
+    TraceToOdpsHook,
+    latest_checkpoint_step,
+)
+from recis_async.sinks import ParquetSink
+
+FIELDS = ["rank", "step", "row"]
+TYPES = ["bigint", "bigint", "bigint"]
 
 
 class Model(torch.nn.Module):
-    def __init__(self, fail_at: int | None) -> None:
+    def __init__(self, fail_at: int | None, nan_at: int | None, trace: bool) -> None:
         super().__init__()
         self.linear = torch.nn.Linear(4, 1)
         self.fail_at = fail_at
+        self.nan_at = nan_at
+        self.trace = trace
         self.calls = 0
 
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
-        if self.calls == self.fail_at:
+        step = self.calls
+        if step == self.fail_at:
             raise ValueError(f"model blew up on rank {tdist.get_rank()}")
         self.calls += 1
-        return self.linear(batch).pow(2).mean()
+        if self.trace:
+            rows = batch.shape[0]
+            add_to_trace("rank", torch.full((rows,), tdist.get_rank()))
+            add_to_trace("step", torch.full((rows,), step))
+            add_to_trace("row", torch.arange(rows))
+        loss = self.linear(batch).pow(2).mean()
+        return loss * float("nan") if step == self.nan_at else loss
 
 
 class Record(Hook):
@@ -63,7 +91,35 @@ async def main(out: Path, mode: str) -> None:
     n = {"uneven": 5 if rank == 0 else 8}.get(mode, 20)
     data = [torch.randn(8, 4) for _ in range(n)]
     record = Record(rank, 3 if (mode == "stop" and rank == 1) else None)
-    model = Model(3 if (mode == "fail" and rank == 1) else None)
+    on_rank1 = 3 if rank == 1 else None
+    model = Model(
+        on_rank1 if mode == "fail" else None, on_rank1 if mode == "nan" else None, mode == "trace"
+    )
+    hooks: list[Hook] = [record]
+    if mode == "nan":
+        hooks.append(NanTensorHook(fail_on_nan_loss=False))
+    if mode == "trace":
+        odps = {
+            "access_id": os.environ["TEST_ODPS_ACCESS_ID"],
+            "access_key": os.environ["TEST_ODPS_ACCESS_KEY"],
+            "project": os.environ["TEST_ODPS_PROJECT"],
+            "end_point": os.environ["TEST_ODPS_ENDPOINT"],
+            "tunnel_endpoint": os.environ["TEST_ODPS_TUNNEL_ENDPOINT"],
+            "table_name": "dist_trace",
+            "partition": "dt=20261122",
+        }
+        hooks += [
+            TraceHook(
+                ParquetSink(out / "parquet", "dist_trace", "dt=20261122"),
+                FIELDS,
+                TYPES,
+                size_threshold=512,
+            ),
+            TraceToOdpsHook(odps, FIELDS, TYPES, size_threshold=512),
+            StopAtStepHook(last_step=12),
+            LoggerHook(log_step=4),
+            CheckpointSaverHook(out / "ckpt", save_steps=4, model=model, barrier_timeout=30),
+        ]
     args = TrainingArguments(
         save_steps=None,
         train_epoch=2 if mode == "uneven" else 1,
@@ -73,7 +129,7 @@ async def main(out: Path, mode: str) -> None:
         model,
         args,
         train_dataset=data,
-        hooks=[record],
+        hooks=hooks,
         dense_optimizers=(torch.optim.SGD(model.parameters(), lr=0.01), None),
     )
     result: dict[str, Any] = {"rank": rank}
@@ -85,6 +141,8 @@ async def main(out: Path, mode: str) -> None:
     result["steps"] = record.steps
     result["status"] = record.status
     result["stop_reason_seen"] = record.bus.stop_reason
+    if mode == "trace":
+        result["checkpoint_step_seen"] = latest_checkpoint_step(out / "ckpt")
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     tdist.destroy_process_group()
 
