@@ -14,6 +14,7 @@ rank traces 8 rows a step to Parquet under OUT_DIR and to the ODPS service named
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 from datetime import timedelta
@@ -23,8 +24,6 @@ from typing import Any
 import anyio
 import torch
 import torch.distributed as tdist
-
-import os
 
 from recis_async import Hook, HookBus, Trainer, TrainingArguments, add_to_trace
 from recis_async.events import AfterStep, End
