@@ -239,9 +239,8 @@ async def main(steps: int, out: Path, seed: int) -> float:
     print(f"metrics:     {out / 'runs'} (params.json, metrics.jsonl)")
     print(f"checkpoints: {out / 'checkpoints'}")
     print(f"profiles:    {out / 'timeline'}")
-    print(
-        f"ids in the tables: {model.user.table.ids_count()} users, {model.item.table.ids_count()} items"
-    )
+    users, items = model.user.table.ids_count(), model.item.table.ids_count()
+    print(f"ids in the tables: {users} users, {items} items")
     return held_out_auc
 
 
