@@ -14,6 +14,8 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ..events import AfterEval, AfterStep, End
 from ..hook import Hook, OnError
 from ..trackers import JsonlTracker, RunSpec, StepRecord, Tracker, TrackerService
@@ -154,7 +156,7 @@ class MLTrackerHook(Hook):
                 names.add(full)
             if type(value) is not float:  # floats (the common case) need no conversion
                 value = to_tracked_value(key, value, where=where)
-                if type(value) is not float:
+                if isinstance(value, np.ndarray):
                     nbytes += value.nbytes
             checked[full] = value
             nbytes += VALUE_OVERHEAD + len(full)
