@@ -46,6 +46,7 @@ from .events import (
 )
 from .hook import Hook
 from .hooks.checkpoint import CheckpointSaverHook, restore_checkpoint
+from .hooks.logger import LoggerHook
 from .hooks.progress import ProgressBarHook
 
 __all__ = ["Trainer", "TrainingArguments", "WindowedDataset"]
@@ -131,9 +132,11 @@ class Trainer:
     Without ``bus`` each of :meth:`train`, :meth:`evaluate`, :meth:`train_and_evaluate` opens
     and closes its own :class:`HookBus` with ``hooks`` added.
 
-    When ``args.save_steps`` is set and ``hooks`` hold no :class:`CheckpointSaverHook`, the
-    trainer adds one (``checkpoint_hook``) saving its model, optimizer and LR scheduler into
-    ``args.output_dir`` every ``save_steps`` steps and at the end, keeping ``max_to_keep``.
+    Unless ``hooks`` hold their own, the trainer adds a :class:`LoggerHook` logging every
+    ``args.log_steps`` steps (``logger_hook``) and, when ``args.save_steps`` is set, a
+    :class:`CheckpointSaverHook` (``checkpoint_hook``) saving its model, optimizer and LR
+    scheduler into ``args.output_dir`` every ``save_steps`` steps and at the end, keeping
+    ``max_to_keep``.
     A :class:`ProgressBarHook` without a ``total`` gets the planned number of steps.
     """
 
@@ -181,6 +184,7 @@ class Trainer:
         self.global_step = 0
         self.epoch = 0
         self._distributed = False  # set when a loop starts: the process group may come later
+        self.logger_hook = LoggerHook(log_step=args.log_steps)
         self.checkpoint_hook: CheckpointSaverHook | None = None
         if args.save_steps is not None and not any(
             isinstance(h, CheckpointSaverHook) for h in hooks
@@ -244,10 +248,9 @@ class Trainer:
     @contextlib.asynccontextmanager
     async def _session(self) -> AsyncIterator[HookBus]:
         hooks = list(self.hooks)
-        if self.checkpoint_hook is not None and not any(
-            isinstance(h, CheckpointSaverHook) for h in hooks
-        ):
-            hooks.append(self.checkpoint_hook)
+        for default in (self.logger_hook, self.checkpoint_hook):
+            if default is not None and not any(isinstance(h, type(default)) for h in hooks):
+                hooks.append(default)  # unless the user brought their own of that kind
         if self.bus is not None:
             for hook in hooks:
                 if not any(h is hook for h in self.bus.hooks):

@@ -276,3 +276,26 @@ async def test_non_scalar_loss_is_refused_naming_the_shape() -> None:
         TypeError, match=r"expected the scalar loss tensor, got a tensor of shape \(4, 1\)"
     ):
         await trainer.train()
+
+
+async def test_the_trainer_logs_every_log_steps_unless_given_a_logger(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import logging
+
+    from recis_async.hooks import LoggerHook
+
+    rec = Recorder()
+    trainer, _ = make(batches(6), rec, log_steps=3)
+    with caplog.at_level(logging.INFO, logger="recis_async.hooks.logger"):
+        await trainer.train()
+    lines = [r.getMessage() for r in caplog.records if "gstep=" in r.getMessage()]
+    assert len(lines) == 2 and "<gstep=2>" in lines[0] and "<gstep=5>" in lines[1]
+
+    own = LoggerHook(log_step=100)
+    trainer2, _ = make(batches(2), Recorder(), log_steps=1)
+    trainer2.hooks.append(own)
+    async with HookBus() as bus:
+        trainer2.bus = bus
+        await trainer2.train()
+        assert [type(h).__name__ for h in bus.hooks].count("LoggerHook") == 1
