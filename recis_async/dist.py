@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import os
 
+DEFAULT_TIMEOUT = 300.0
+"""Seconds a library collective waits for the other ranks before naming this one and failing."""
+
 __all__ = [
+    "DEFAULT_TIMEOUT",
     "all_reduce_max",
     "all_reduce_mean",
     "barrier",

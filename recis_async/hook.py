@@ -47,7 +47,7 @@ class Hook:
 
     priority: ClassVar[int | Priority] = Priority.NORMAL
     on_error: ClassVar[OnError] = "raise"
-    rank_zero_only: ClassVar[bool] = False
+    rank_zero_only: bool = False  # an instance may override it (LoggerHook(all_reduce=True))
 
     @property
     def state_key(self) -> str:

@@ -121,6 +121,11 @@ def test_every_ranks_traced_rows_arrive_exactly_once(tmp_path: Path) -> None:
             )
     assert sorted(parquet_rows) == expected
 
+    # LoggerHook(all_reduce=True): rank 0 logs the mean over ranks, rank 1 logs nothing
+    assert [line.split()[1] for line in r0["log_lines"]] == ["<gstep=3>", "<gstep=7>", "<gstep=11>"]
+    assert all("<rank_metric=0.5>" in line for line in r0["log_lines"])
+    assert r1["log_lines"] == []
+
     # rank 0 wrote the checkpoints after barriers; both ranks saw the last one on disk
     assert [step for step, _ in list_checkpoints(tmp_path / "ckpt")][-1] == 12
     assert r0["checkpoint_step_seen"] == r1["checkpoint_step_seen"] == 12

@@ -23,6 +23,17 @@ class Clock:
         return self.t
 
 
+def after_step(hook: LoggerHook, event: AfterStep) -> None:
+    """Run the (async) handler to completion: without all_reduce it never suspends."""
+    coro = hook.after_step(event)
+    try:
+        coro.send(None)
+    except StopIteration:
+        return
+    coro.close()
+    raise AssertionError("LoggerHook.after_step suspended without all_reduce")
+
+
 def _lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, str]]:
     return [
         dict(_FIELD.findall(r.getMessage()))
@@ -45,14 +56,15 @@ def _step(
     local = gstep if lstep is None else lstep
     hook.before_step(BeforeStep(is_train=is_train, global_step=gstep, local_step=local))
     clock.t += dt
-    hook.after_step(
+    after_step(
+        hook,
         AfterStep(
             is_train=is_train,
             global_step=gstep,
             local_step=local,
             samples=samples,
             metrics=metrics or {},
-        )
+        ),
     )
 
 
@@ -117,7 +129,7 @@ def test_without_before_step_the_first_step_opens_the_window(
     clock = Clock()
     hook = LoggerHook(log_step=3, clock=clock)
     for g in range(3):
-        hook.after_step(AfterStep(global_step=g, samples=10))
+        after_step(hook, AfterStep(global_step=g, samples=10))
         clock.t += 1.0
     (line,) = _lines(caplog)
     assert float(line["sps"]) == pytest.approx(1.0)  # 2 timed steps over 2 s
@@ -127,7 +139,7 @@ def test_without_before_step_the_first_step_opens_the_window(
 def test_zero_elapsed_is_not_a_crash(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
     hook = LoggerHook(log_step=1, clock=Clock())
-    hook.after_step(AfterStep(global_step=0))
+    after_step(hook, AfterStep(global_step=0))
     (line,) = _lines(caplog)
     assert line["sps"] == "nan" and line["qps"] == "nan"
 

@@ -10,14 +10,18 @@ middle of training does not lower the training rate.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import anyio.to_thread
+import msgspec
 import numpy as np
 
+from .. import dist
 from ..events import AfterStep, BeforeStep
 from ..hook import Hook
 
@@ -57,7 +61,11 @@ class _Window:
 class LoggerHook(Hook):
     """Log throughput and the step's ``metrics`` every ``log_step`` steps (rank 0 by default).
 
-    ``clock`` (seconds, monotonic) and ``logger`` may be replaced, e.g. in tests.
+    With ``all_reduce=True`` in a distributed run the hook runs on every rank and, at each log
+    step, the ranks all-reduce their numbers (in a worker thread, ``timeout`` seconds at most):
+    rank 0 logs the mean of each numeric metric and of ``sps``, and the sum of ``qps`` (the
+    job's samples/s).  ``clock`` (seconds, monotonic) and ``logger`` may be replaced, e.g. in
+    tests.
     """
 
     rank_zero_only = True
@@ -66,9 +74,18 @@ class LoggerHook(Hook):
         self,
         log_step: int = 10,
         *,
+        all_reduce: bool = False,
+        timeout: float = dist.DEFAULT_TIMEOUT,
         logger: logging.Logger | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if not isinstance(all_reduce, bool):
+            raise TypeError(f"LoggerHook.all_reduce: expected a bool, got {all_reduce!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+            raise ValueError(f"LoggerHook.timeout: expected positive seconds, got {timeout!r}")
+        self.all_reduce = all_reduce
+        self.rank_zero_only = not all_reduce  # reducing needs every rank
+        self.timeout = float(timeout)
         if isinstance(log_step, bool) or not isinstance(log_step, int) or log_step <= 0:
             raise ValueError(f"LoggerHook.log_step: expected a positive int, got {log_step!r}")
         if not callable(clock):
@@ -92,7 +109,7 @@ class LoggerHook(Hook):
         if window.seg_start is None:
             window.seg_start = now
 
-    def after_step(self, event: AfterStep) -> None:
+    async def after_step(self, event: AfterStep) -> None:
         now = self._clock()
         window = self._enter(event.is_train, now)
         if window.seg_start is None:
@@ -112,7 +129,33 @@ class LoggerHook(Hook):
         window.steps = window.samples = 0
         window.busy = 0.0
         window.seg_start = now
+        if self.all_reduce and dist.is_initialized() and dist.get_world_size() > 1:
+            event, qps, sps = await self._reduced(event, qps, sps)
+            if dist.get_rank() != 0:
+                return
         self.logger.info(self.format_line(event, qps, sps))
+
+    async def _reduced(
+        self, event: AfterStep, qps: float, sps: float
+    ) -> tuple[AfterStep, float, float]:
+        """The job-wide view: metrics and sps averaged over ranks, qps summed."""
+        numbers = {
+            f"m/{k}": float(v)
+            for k, v in event.metrics.items()
+            if isinstance(v, int | float) and not isinstance(v, bool)
+        }
+        numbers.update({"qps": qps, "sps": sps})
+        mean = await anyio.to_thread.run_sync(
+            functools.partial(
+                dist.all_reduce_mean,
+                numbers,
+                timeout=self.timeout,
+                what=f"LoggerHook's all-reduce at global_step {event.global_step}",
+            )
+        )
+        metrics = {**event.metrics, **{k[2:]: v for k, v in mean.items() if k.startswith("m/")}}
+        world = dist.get_world_size()
+        return msgspec.structs.replace(event, metrics=metrics), mean["qps"] * world, mean["sps"]
 
     @staticmethod
     def format_line(event: AfterStep, qps: float, sps: float) -> str:

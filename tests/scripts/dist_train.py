@@ -14,6 +14,7 @@ rank traces 8 rows a step to Parquet under OUT_DIR and to the ODPS service named
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import traceback
@@ -25,7 +26,7 @@ import anyio
 import torch
 import torch.distributed as tdist
 
-from recis_async import Hook, HookBus, Trainer, TrainingArguments, add_to_trace
+from recis_async import Hook, HookBus, Trainer, TrainingArguments, add_metric, add_to_trace
 from recis_async.events import AfterStep, End
 from recis_async.hooks import (
     CheckpointSaverHook,
@@ -57,6 +58,7 @@ class Model(torch.nn.Module):
             raise ValueError(f"model blew up on rank {tdist.get_rank()}")
         self.calls += 1
         if self.trace:
+            add_metric("rank_metric", float(tdist.get_rank()))  # all-reduced by LoggerHook
             rows = batch.shape[0]
             add_to_trace("rank", torch.full((rows,), tdist.get_rank()))
             add_to_trace("step", torch.full((rows,), step))
@@ -116,7 +118,7 @@ async def main(out: Path, mode: str) -> None:
             ),
             TraceToOdpsHook(odps, FIELDS, TYPES, size_threshold=512),
             StopAtStepHook(last_step=12),
-            LoggerHook(log_step=4),
+            LoggerHook(log_step=4, all_reduce=True, timeout=30),
             CheckpointSaverHook(out / "ckpt", save_steps=4, model=model, barrier_timeout=30),
         ]
     args = TrainingArguments(
@@ -132,6 +134,11 @@ async def main(out: Path, mode: str) -> None:
         dense_optimizers=(torch.optim.SGD(model.parameters(), lr=0.01), None),
     )
     result: dict[str, Any] = {"rank": rank}
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("recis_async.hooks.logger").addHandler(handler)
+    logging.getLogger("recis_async.hooks.logger").setLevel(logging.INFO)
     try:
         await trainer.train()
     except Exception as exc:
@@ -140,6 +147,7 @@ async def main(out: Path, mode: str) -> None:
     result["steps"] = record.steps
     result["status"] = record.status
     result["stop_reason_seen"] = record.bus.stop_reason
+    result["log_lines"] = lines
     if mode == "trace":
         result["checkpoint_step_seen"] = latest_checkpoint_step(out / "ckpt")
     (out / f"rank{rank}.json").write_text(json.dumps(result))
