@@ -35,10 +35,10 @@ import anyio.to_thread
 import torch
 
 from .. import dist
+from .._checks import positive_int, positive_number, writable_dir
 from ..events import AfterLoadCheckpoint, AfterStep, BeforeSaveCheckpoint, End
 from ..hook import Hook
 from ..priority import Priority
-from ._checks import positive_int, positive_number, writable_dir
 
 if TYPE_CHECKING:
     from ..bus import HookBus

@@ -6,9 +6,9 @@ import logging
 import math
 from typing import TYPE_CHECKING, Any, Literal
 
+from .._checks import positive_int
 from ..events import AfterEval, AfterStep
 from ..hook import Hook
-from ._checks import positive_int
 
 if TYPE_CHECKING:
     from ..bus import HookBus

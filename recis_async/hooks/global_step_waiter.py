@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.to_thread
 
+from .._checks import positive_number
 from ..events import BeforeStep
 from ..hook import Hook
-from ._checks import positive_number
 
 if TYPE_CHECKING:
     from ..bus import HookBus

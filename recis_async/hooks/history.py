@@ -13,9 +13,9 @@ import anyio
 import anyio.to_thread
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from .._checks import positive_int, writable_dir
 from ..events import AfterLoadCheckpoint, AfterStep, End
 from ..hook import Hook
-from ._checks import positive_int, writable_dir
 
 if TYPE_CHECKING:
     from ..bus import HookBus

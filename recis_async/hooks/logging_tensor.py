@@ -8,9 +8,9 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from .._checks import exactly_one, positive_int, positive_number
 from ..events import AfterStep
 from ..hook import Hook
-from ._checks import exactly_one, positive_int, positive_number
 
 __all__ = ["LoggingTensorHook"]
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import anyio
 import torch
 
+from .._checks import writable_dir
 from ..events import AfterStep, BeforeStep, End
 from ..hook import Hook
 from ._jobs import JobQueue
@@ -65,19 +66,7 @@ class ProfilerHook(Hook):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 expected = "a positive int" if low else "an int >= 0"
                 raise ValueError(f"ProfilerHook.{field}: expected {expected}, got {value!r}")
-        path = Path(output_dir)
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ValueError(
-                f"ProfilerHook.output_dir: expected a writable directory, got {str(output_dir)!r} "
-                f"({exc})"
-            ) from None
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise ValueError(
-                f"ProfilerHook.output_dir: expected a writable directory, got {str(output_dir)!r} "
-                "(no write permission)"
-            )
+        path = Path(writable_dir("ProfilerHook", "output_dir", output_dir))
         self.wait, self.warmup, self.active, self.repeat = wait, warmup, active, repeat
         self.output_dir = path
         self.exported: list[Path] = []

@@ -6,9 +6,9 @@ import numbers
 from collections.abc import Iterable
 from typing import IO, Any
 
+from .._checks import positive_int, positive_number
 from ..events import AfterStep, BeforeStep, End
 from ..hook import Hook
-from ._checks import positive_int, positive_number
 
 __all__ = ["ProgressBarHook"]
 

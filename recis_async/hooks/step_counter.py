@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 import time
 
+from .._checks import positive_int
 from ..collect import add_metric
 from ..events import AfterStep, BeforeStep
 from ..hook import Hook
-from ._checks import positive_int
 
 __all__ = ["StepCounterHook"]
 

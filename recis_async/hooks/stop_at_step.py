@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .._checks import exactly_one, positive_int
 from ..events import AfterLoadCheckpoint, AfterStep, BeforeStep
 from ..hook import Hook
 from ..priority import Priority
-from ._checks import exactly_one, positive_int
 
 if TYPE_CHECKING:
     from ..bus import HookBus

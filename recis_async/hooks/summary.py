@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from .._checks import writable_dir
 from ..events import AfterStep, End
 from ..hook import Hook
 from ..trackers import RunSpec, StepRecord, TrackerService
@@ -52,12 +53,8 @@ class SummarySaverHook(Hook):
                 f"got {type(model).__name__}"
             )
         check_settings(max_buffer_bytes, 0.0, "raise", owner="SummarySaverHook")
-        try:
-            self.tracker = TensorBoardTracker(output_dir, subdir=False)
-        except ValueError as exc:
-            raise ValueError(
-                str(exc).replace("TensorBoardTracker.log_dir", "SummarySaverHook.output_dir")
-            ) from None
+        path = writable_dir("SummarySaverHook", "output_dir", output_dir)
+        self.tracker = TensorBoardTracker(path, subdir=False)
         self.save_steps = save_steps
         self.model = model
         self.max_buffer_bytes = max_buffer_bytes

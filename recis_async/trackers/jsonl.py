@@ -22,6 +22,7 @@ from typing import IO, Any
 
 import msgspec
 
+from .._checks import writable_dir
 from ..events import EndStatus
 from .base import RunSpec, StepRecord, encode_value
 
@@ -57,18 +58,7 @@ class JsonlTracker:
     """Write runs as JSON files under ``root``; needs nothing beyond msgspec."""
 
     def __init__(self, root: str | os.PathLike[str] = "ml_tracker") -> None:
-        root_path = Path(root)
-        try:
-            root_path.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ValueError(
-                f"JsonlTracker.root: expected a writable directory, got {str(root)!r} ({exc})"
-            ) from None
-        if not os.access(root_path, os.W_OK | os.X_OK):
-            raise ValueError(
-                f"JsonlTracker.root: expected a writable directory, got {str(root)!r} "
-                "(no write permission)"
-            )
+        root_path = Path(writable_dir("JsonlTracker", "root", root))
         self.root = root_path
         self.run_dir: Path | None = None
         self._info: RunInfo | None = None

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from .._checks import writable_dir
 from ..events import EndStatus
 from .base import RunSpec, StepRecord, params_for_text
 
@@ -58,19 +59,7 @@ class TensorBoardTracker:
 
     def __init__(self, log_dir: str | os.PathLike[str], *, subdir: bool = True) -> None:
         self._writer_cls = _import_writer()
-        path = Path(log_dir)
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ValueError(
-                f"TensorBoardTracker.log_dir: expected a writable directory, got {str(log_dir)!r} "
-                f"({exc})"
-            ) from None
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise ValueError(
-                f"TensorBoardTracker.log_dir: expected a writable directory, got {str(log_dir)!r} "
-                "(no write permission)"
-            )
+        path = Path(writable_dir("TensorBoardTracker", "log_dir", log_dir))
         self.log_dir = path
         self.subdir = subdir
         self.run_dir: Path | None = None

@@ -1,4 +1,4 @@
-"""Constructor argument checks shared by the built-in hooks: each error names the argument,
+"""Constructor argument checks shared by hooks and trackers: each error names the argument,
 what was expected and what arrived."""
 
 from __future__ import annotations
