@@ -136,7 +136,7 @@ class Sink(Protocol):
 
 
 _PARTITION_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-_PARTITION_VALUE_FORBIDDEN = set("/\\,='\"\0\n\r")
+_PARTITION_VALUE_FORBIDDEN = frozenset("/\\,='\"\0\n\r")
 
 
 def parse_partition(spec: str | Mapping[str, object] | None) -> tuple[tuple[str, str], ...]:

@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
+from types import MappingProxyType
 from typing import IO, Any
 from urllib.parse import urlsplit
 
@@ -32,12 +33,9 @@ __all__ = ["MlflowTracker", "STATUS_MAP"]
 log = logging.getLogger(__name__)
 
 #: End.status -> MLflow run status.
-STATUS_MAP: dict[str, str] = {
-    "ok": "FINISHED",
-    "failed": "FAILED",
-    "cancelled": "KILLED",
-    "preempted": "KILLED",
-}
+STATUS_MAP: Mapping[str, str] = MappingProxyType(
+    {"ok": "FINISHED", "failed": "FAILED", "cancelled": "KILLED", "preempted": "KILLED"}
+)
 
 MAX_METRICS_PER_REQUEST = 1000
 MAX_REQUEST_BYTES = 1_000_000
