@@ -129,3 +129,7 @@ def test_every_ranks_traced_rows_arrive_exactly_once(tmp_path: Path) -> None:
     # rank 0 wrote the checkpoints after barriers; both ranks saw the last one on disk
     assert [step for step, _ in list_checkpoints(tmp_path / "ckpt")][-1] == 12
     assert r0["checkpoint_step_seen"] == r1["checkpoint_step_seen"] == 12
+    # restore works on every rank: both get rank 0's weights of step 12
+    assert r0["restored_step"] == r1["restored_step"] == 12
+    assert r0["restored_weights"] == r1["restored_weights"] == r0["trained_weights"]
+    assert r1["trained_weights"] != r0["trained_weights"]  # no DDP here: rank 1 trained apart

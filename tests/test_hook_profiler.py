@@ -89,7 +89,9 @@ async def test_export_failure_surfaces_as_hook_error(tmp_path: Path) -> None:
 def test_constructor_validation(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(ValueError, match="ProfilerHook\(output_dir=...\): expected a writable directory"):
+    with pytest.raises(
+        ValueError, match="ProfilerHook\(output_dir=...\): expected a writable directory"
+    ):
         ProfilerHook(output_dir=blocker / "sub")
     with pytest.raises(ValueError, match="ProfilerHook.active: expected a positive int, got 0"):
         ProfilerHook(active=0, output_dir=tmp_path)

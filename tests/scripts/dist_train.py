@@ -36,6 +36,7 @@ from recis_async.hooks import (
     TraceHook,
     TraceToOdpsHook,
     latest_checkpoint_step,
+    restore_checkpoint,
 )
 from recis_async.sinks import ParquetSink
 
@@ -150,6 +151,12 @@ async def main(out: Path, mode: str) -> None:
     result["log_lines"] = lines
     if mode == "trace":
         result["checkpoint_step_seen"] = latest_checkpoint_step(out / "ckpt")
+        # every rank restores rank 0's checkpoint into a fresh model
+        fresh = Model(None, None, False)
+        async with HookBus(handle_signals=False) as restore_bus:
+            result["restored_step"] = await restore_checkpoint(restore_bus, out / "ckpt", fresh)
+        result["restored_weights"] = [round(float(v), 6) for v in fresh.linear.weight.flatten()]
+        result["trained_weights"] = [round(float(v), 6) for v in model.linear.weight.flatten()]
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     tdist.destroy_process_group()
 
