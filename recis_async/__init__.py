@@ -5,12 +5,13 @@ events; slow work (trace uploads, experiment tracking, checkpoints) runs in back
 services that drain when the block is left.
 """
 
-from .bus import HookBus, Subscription
+from .bus import HookBus
 from .collect import add_metric, add_to_ml_tracker, add_to_trace
 from .errors import HookError
 from .hook import Hook
 from .priority import Priority
 from .service import Service
+from .subscription import Subscription
 from .trainer import Trainer, TrainingArguments
 
 __all__ = [
