@@ -106,22 +106,27 @@ class TraceWriter:
         source: BatchSource | None = None,
         max_age: float | None = None,
         name: str | None = None,
+        owner: str = "TraceWriter",
     ) -> None:
         if isinstance(worker_num, bool) or not isinstance(worker_num, int) or worker_num < 1:
-            raise ValueError(f"worker_num: expected an int >= 1, got {worker_num!r}")
+            raise ValueError(f"{owner}(worker_num=...): expected an int >= 1, got {worker_num!r}")
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-            raise ValueError(f"retries: expected an int >= 0, got {retries!r}")
+            raise ValueError(f"{owner}(retries=...): expected an int >= 0, got {retries!r}")
         for label, value in (
             ("retry_backoff", retry_backoff),
             ("max_backoff", max_backoff),
             ("commit_wait", commit_wait),
         ):
             if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-                raise ValueError(f"{label}: expected a number of seconds >= 0, got {value!r}")
+                raise ValueError(
+                    f"{owner}({label}=...): expected a number of seconds >= 0, got {value!r}"
+                )
         if max_age is not None and (
             isinstance(max_age, bool) or not isinstance(max_age, int | float) or not max_age > 0
         ):
-            raise ValueError(f"max_age: expected None or a number of seconds > 0, got {max_age!r}")
+            raise ValueError(
+                f"{owner}(max_age=...): expected None or a number of seconds > 0, got {max_age!r}"
+            )
         self.sink = sink
         self.name = name or f"trace:{sink.name}"
         self.worker_num = worker_num

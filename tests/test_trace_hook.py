@@ -206,18 +206,26 @@ async def test_a_bad_step_fails_its_publish_and_buffers_nothing(tmp_path: Path) 
             ValueError,
             "field 'emb': unknown ODPS type 'array<bool>'",
         ),
-        ({"worker_num": 0}, ValueError, "worker_num: expected an int >= 1, got 0"),
-        ({"worker_num": 1.5}, ValueError, "worker_num: expected an int >= 1, got 1.5"),
+        ({"worker_num": 0}, ValueError, "TraceHook(worker_num=...): expected an int >= 1, got 0"),
+        (
+            {"worker_num": 1.5},
+            ValueError,
+            "TraceHook(worker_num=...): expected an int >= 1, got 1.5",
+        ),
         (
             {"size_threshold": 0},
             ValueError,
-            "size_threshold: expected an int number of bytes > 0, got 0",
+            "TraceHook(size_threshold=...): expected an int number of bytes > 0, got 0",
         ),
-        ({"max_age": -1}, ValueError, "max_age: expected None or a number of seconds > 0, got -1"),
+        (
+            {"max_age": -1},
+            ValueError,
+            "TraceHook(max_age=...): expected None or a number of seconds > 0, got -1",
+        ),
         (
             {"sink": object()},
             TypeError,
-            "sink: expected a Sink (name, open, write, close), got object",
+            "TraceHook(sink=...): expected a Sink (name, open, write, close), got object",
         ),
     ],
 )

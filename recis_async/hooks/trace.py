@@ -60,7 +60,8 @@ class TraceHook(Hook):
     ) -> None:
         if not isinstance(sink, Sink):
             raise TypeError(
-                f"sink: expected a Sink (name, open, write, close), got {type(sink).__name__}"
+                f"{type(self).__name__}(sink=...): expected a Sink (name, open, write, close), "
+                f"got {type(sink).__name__}"
             )
         if (
             isinstance(size_threshold, bool)
@@ -68,7 +69,8 @@ class TraceHook(Hook):
             or size_threshold <= 0
         ):
             raise ValueError(
-                f"size_threshold: expected an int number of bytes > 0, got {size_threshold!r}"
+                f"{type(self).__name__}(size_threshold=...): expected an int number of bytes > 0, "
+                f"got {size_threshold!r}"
             )
         self._buffer = ColumnBuffer(fields, types)
         self._threshold = size_threshold
@@ -81,6 +83,7 @@ class TraceHook(Hook):
             spill_dir=spill_dir,
             source=self._buffer,
             max_age=max_age,
+            owner=type(self).__name__,
         )
         self.sink = sink
 
