@@ -820,13 +820,11 @@ def sink_config(
     return config
 
 
-def read_with_pyodps(
-    server: OdpsServer, table: str, partition: str | None = None, *, arrow: bool = False
-) -> list[dict[str, Any]]:
-    """Read a table (partition) back through pyodps's own download tunnel."""
+def pyodps_client(server: OdpsServer) -> Any:
+    """pyodps's own client, pointed at ``server`` with the test credentials."""
     from odps import ODPS
 
-    odps = ODPS(
+    return ODPS(
         TEST_ACCESS_ID,
         TEST_SECRET,
         server.project,
@@ -834,7 +832,13 @@ def read_with_pyodps(
         tunnel_endpoint=server.tunnel_endpoint,
         overwrite_global=False,
     )
-    t = odps.get_table(table)
+
+
+def read_with_pyodps(
+    server: OdpsServer, table: str, partition: str | None = None, *, arrow: bool = False
+) -> list[dict[str, Any]]:
+    """Read a table (partition) back through pyodps's own download tunnel."""
+    t = pyodps_client(server).get_table(table)
     names = [c.name for c in t.table_schema.simple_columns]
     if arrow:
         with t.open_reader(partition=partition, arrow=True) as reader:

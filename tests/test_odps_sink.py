@@ -12,6 +12,7 @@ from odps_server import (
     TEST_ACCESS_ID,
     TEST_SECRET,
     OdpsServer,
+    pyodps_client,
     read_with_pyodps,
     sink_config,
 )
@@ -278,18 +279,10 @@ def test_pyodps_is_imported_lazily_and_leaves_no_global_entry(tmp_path: Path) ->
 
 def test_the_loopback_service_decodes_record_format_blocks_too(server: OdpsServer) -> None:
     """pyodps's classic protobuf record writer, straight through its tunnel API."""
-    from odps import ODPS
     from odps.models import TableSchema
     from odps.tunnel import TableTunnel
 
-    odps = ODPS(
-        TEST_ACCESS_ID,
-        TEST_SECRET,
-        server.project,
-        server.endpoint,
-        tunnel_endpoint=server.tunnel_endpoint,
-        overwrite_global=False,
-    )
+    odps = pyodps_client(server)
     odps.create_table("rec", TableSchema.from_lists(["id", "tags"], ["bigint", "array<string>"]))
     session = TableTunnel(odps, endpoint=server.tunnel_endpoint).create_upload_session("rec")
     with session.open_record_writer(3) as writer:
