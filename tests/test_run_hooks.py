@@ -12,6 +12,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from toy import Model, batches
 
 from recis_async import (
     Hook,
@@ -38,24 +39,6 @@ from recis_async.hooks import (
 )
 
 pytestmark = pytest.mark.anyio
-
-
-class Model(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(3, 1)
-
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return torch.nn.functional.mse_loss(self.linear(batch["x"]).squeeze(-1), batch["y"])
-
-
-def batches(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        x = torch.randn(4, 3, generator=gen)
-        out.append({"x": x, "y": x.sum(dim=1)})
-    return out
 
 
 class Steps(Hook):
