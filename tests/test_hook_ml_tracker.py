@@ -349,3 +349,41 @@ def test_run_spec_from_hook(tmp_path: Path) -> None:
     hook = MLTrackerHook("p", "n", {"a": {"b": 1}}, id="x", tracker=JsonlTracker(tmp_path))
     assert hook.params == {"a.b": 1}
     assert RunSpec(project="p", name="n", run_id="x", params=hook.params).run_id == "x"
+
+
+async def test_disable_takes_effect_before_the_failed_batch_is_spilled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Records published while the failed batch is still being spilled are dropped, as
+    documented, not buffered: the service is disabled before its first await."""
+    from recis_async.trackers.service import TrackerService
+
+    slow_spill = TrackerService._spill
+
+    async def spill(self: TrackerService, records: list[Any]) -> None:
+        await anyio.sleep(0.1)  # hold the window open
+        await slow_spill(self, records)
+
+    monkeypatch.setattr(TrackerService, "_spill", spill)
+    tracker = FlakyJsonl(tmp_path, fail_calls=[1])
+    hook = MLTrackerHook(
+        "p",
+        "d",
+        {},
+        tracker=tracker,
+        flush_interval=0,
+        on_error="disable",
+        spill_dir=tmp_path / "spill",
+    )
+    async with HookBus() as bus:
+        bus.add_hook(hook)
+        await bus.publish(AfterStep(global_step=0, tracked={"loss": 0.0}))
+        assert hook.service is not None
+        with anyio.fail_after(5):
+            while hook.service.stats()["errors"] == 0:
+                await anyio.sleep(0.001)
+        for step in range(1, 11):  # inside the 0.1 s spill
+            await bus.publish(AfterStep(global_step=step, tracked={"loss": float(step)}))
+    assert hook.service.spill_path is not None
+    assert [r.step for r in read_records(hook.service.spill_path)] == [0]
+    assert hook.service.stats()["dropped"] == 10

@@ -21,7 +21,7 @@ import os
 import secrets
 import tempfile
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -213,9 +213,9 @@ class TrackerService:
                 await self._in_thread(self.tracker.log, batch)
             except Exception as exc:
                 self._counts["errors"] += 1
-                await self._spill(batch)
-                self._clear_inflight()
                 if self.on_error == "log":
+                    await self._spill(batch)
+                    self._clear_inflight()
                     log.error(
                         "%s: tracker.log failed; %d records spilled to %s",
                         self.name,
@@ -224,7 +224,8 @@ class TrackerService:
                         exc_info=exc,
                     )
                     continue
-                await self._give_up(exc, "log")
+                await self._give_up(exc, "log", batch)
+                self._clear_inflight()
                 if self.on_error == "raise":
                     raise TrackerError(f"{self.name}: tracker.log failed: {exc!r}") from exc
                 return
@@ -262,17 +263,20 @@ class TrackerService:
         self._inflight, self._inflight_bytes = [], 0
         self._notify()
 
-    async def _give_up(self, exc: Exception, call: str) -> None:
-        """The tracker is unusable: keep what is buffered safe and stop accepting records."""
-        rest = [record for record, _ in self._pending]
-        self._pending.clear()
-        self._pending_bytes = 0
-        if rest:
-            await self._spill(rest)
+    async def _give_up(self, exc: Exception, call: str, failed: Sequence[Any] = ()) -> None:
+        """The tracker is unusable: stop accepting records, then keep the failed batch and
+        what is buffered safe.  The state changes before the first await, so no record
+        published after the failure was counted can slip into the buffer."""
         if self.on_error == "raise":
             self._failure = exc
         else:
             self._disabled = True
+        rest = [*failed, *(record for record, _ in self._pending)]
+        self._pending.clear()
+        self._pending_bytes = 0
+        if rest:
+            await self._spill(rest)
+        if self.on_error != "raise":
             log.error(
                 "%s: tracker.%s failed; tracking is disabled, buffered records are in %s and "
                 "later records are dropped",
