@@ -90,7 +90,7 @@ def test_constructor_validation(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(
-        ValueError, match="ProfilerHook\(output_dir=...\): expected a writable directory"
+        ValueError, match=r"ProfilerHook\(output_dir=...\): expected a writable directory"
     ):
         ProfilerHook(output_dir=blocker / "sub")
     with pytest.raises(ValueError, match="ProfilerHook.active: expected a positive int, got 0"):

@@ -114,7 +114,7 @@ def test_jsonl_resume_appends(tmp_path: Path) -> None:
 def test_jsonl_unwritable_root(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(ValueError, match="JsonlTracker\(root=...\): expected a writable directory"):
+    with pytest.raises(ValueError, match=r"JsonlTracker\(root=...\): expected a writable directory"):
         JsonlTracker(blocker / "runs")
 
 
@@ -296,7 +296,7 @@ def test_tensorboard_status(tmp_path: Path, status: str, code: int) -> None:
 def test_tensorboard_unwritable(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(ValueError, match="TensorBoardTracker\(log_dir=...\): expected a writable"):
+    with pytest.raises(ValueError, match=r"TensorBoardTracker\(log_dir=...\): expected a writable"):
         TensorBoardTracker(blocker / "tb")
 
 
