@@ -12,13 +12,27 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import msgspec
+import numpy as np
 import pyarrow as pa
 
-from .schema import Column, OdpsType, arrow_schema, convert, from_arrow, parse_schema, to_arrow
+from .schema import (
+    Column,
+    OdpsType,
+    arrow_schema,
+    convert,
+    fast_dtype,
+    freeze,
+    from_arrow,
+    parse_schema,
+    to_arrow,
+)
 
 __all__ = ["Batch", "ColumnBuffer"]
+
+_OFFSET_MAX = np.iinfo(np.int32).max
 
 
 class Batch(msgspec.Struct, frozen=True, kw_only=True):
@@ -79,6 +93,9 @@ class ColumnBuffer:
         self._steps = 0
         self._first_at: float | None = None
         self._next_seq = 0
+        # per field: the numpy dtype a step's array may already have to skip conversion
+        self._fast = tuple(fast_dtype(t) for t in self.types)
+        self._ranges: dict[int, np.ndarray] = {}  # width -> read-only 0, w, 2w, ... (int32)
 
     @property
     def rows(self) -> int:
@@ -111,21 +128,12 @@ class ColumnBuffer:
         declared field is missing, an undeclared one is present, a value cannot be
         converted to its type, or the fields disagree on the number of rows.
         """
-        names = set(trace)
-        missing = [f for f in self.fields if f not in names]
-        extra = sorted(n for n in names if n not in self._index)
-        if missing or extra:
-            parts = []
-            if missing:
-                parts.append("missing " + ", ".join(repr(f) for f in missing))
-            if extra:
-                parts.append("undeclared " + ", ".join(repr(str(f)) for f in extra))
-            raise ValueError(
-                f"trace does not match the declared fields: {'; '.join(parts)} "
-                f"(declared: {', '.join(self.fields)})"
-            )
-        pairs = zip(self.fields, self.types, strict=True)
-        columns = tuple(convert(f, t, trace[f]) for f, t in pairs)
+        if len(trace) != len(self.fields) or not all(f in trace for f in self.fields):
+            self._check_names(trace)
+        columns = tuple(
+            self._column(f, t, d, trace[f])
+            for f, t, d in zip(self.fields, self.types, self._fast, strict=True)
+        )
         rows = columns[0].rows
         if any(c.rows != rows for c in columns):
             counts = ", ".join(f"{f}={c.rows}" for f, c in zip(self.fields, columns, strict=True))
@@ -134,6 +142,48 @@ class ColumnBuffer:
                 f"(from {self.fields[0]!r}) in every field, got {counts}"
             )
         return columns, rows
+
+    def _check_names(self, trace: Mapping[str, object]) -> None:
+        names = set(trace)
+        missing = [f for f in self.fields if f not in names]
+        extra = sorted(str(n) for n in names if n not in self._index)
+        if missing or extra:
+            parts = []
+            if missing:
+                parts.append("missing " + ", ".join(repr(f) for f in missing))
+            if extra:
+                parts.append("undeclared " + ", ".join(repr(f) for f in extra))
+            raise ValueError(
+                f"trace does not match the declared fields: {'; '.join(parts)} "
+                f"(declared: {', '.join(self.fields)})"
+            )
+
+    def _column(
+        self, field: str, type_: OdpsType, dtype: np.dtype[Any] | None, value: object
+    ) -> Column:
+        """``convert``, with the common case inlined: a numpy array already of the stored
+        dtype (1-D, or 2-D for ``array<...>``) is kept as it is, without a copy when it is
+        read-only and owns its memory (a collector's copy)."""
+        if type(value) is np.ndarray and value.dtype == dtype:
+            if type_.element is None:
+                if value.ndim == 1:
+                    return Column(freeze(value))
+            elif value.ndim == 2 and value.size <= _OFFSET_MAX:
+                rows, width = value.shape
+                return Column(freeze(value).reshape(-1), (self._offsets(rows, width),))
+        return convert(field, type_, value)
+
+    def _offsets(self, rows: int, width: int) -> np.ndarray:
+        """Offsets ``0, width, ..., rows * width`` as a read-only view of one cached range per
+        width, so a regular 2-D column costs no allocation per step."""
+        have = self._ranges.get(width)
+        if have is None or len(have) <= rows:
+            size = max(rows + 1, 2 * len(have) if have is not None else 1024)
+            have = np.arange(size, dtype=np.int64) * width
+            have = have.astype(np.int32)
+            have.setflags(write=False)
+            self._ranges[width] = have
+        return have[: rows + 1]
 
     def append(self, trace: Mapping[str, object]) -> int:
         """Validate and keep a step's trace; all or nothing.  Returns the rows added."""
