@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import msgspec
 import numpy as np
@@ -93,9 +92,12 @@ class ColumnBuffer:
         self._steps = 0
         self._first_at: float | None = None
         self._next_seq = 0
-        # per field: the numpy dtype a step's array may already have to skip conversion
-        self._fast = tuple(fast_dtype(t) for t in self.types)
-        self._ranges: dict[int, np.ndarray] = {}  # width -> read-only 0, w, 2w, ... (int32)
+        # per field: (name, the numpy dtype it is stored as or None, whether array<...>)
+        self._plan = tuple(
+            (f, fast_dtype(t), t.element is not None)
+            for f, t in zip(self.fields, self.types, strict=True)
+        )
+        self._offset_cache: dict[tuple[int, int], np.ndarray] = {}
 
     @property
     def rows(self) -> int:
@@ -128,22 +130,9 @@ class ColumnBuffer:
         declared field is missing, an undeclared one is present, a value cannot be
         converted to its type, or the fields disagree on the number of rows.
         """
-        if len(trace) != len(self.fields) or not all(f in trace for f in self.fields):
-            self._check_names(trace)
-        columns = tuple(
-            self._column(f, t, d, trace[f])
-            for f, t, d in zip(self.fields, self.types, self._fast, strict=True)
-        )
-        rows = columns[0].rows
-        if any(c.rows != rows for c in columns):
-            counts = ", ".join(f"{f}={c.rows}" for f, c in zip(self.fields, columns, strict=True))
-            raise ValueError(
-                f"trace fields must have the same number of rows: expected {rows} rows "
-                f"(from {self.fields[0]!r}) in every field, got {counts}"
-            )
-        return columns, rows
-
-    def _check_names(self, trace: Mapping[str, object]) -> None:
+        fast = self._columns_fast(trace)
+        if fast is not None:
+            return fast
         names = set(trace)
         missing = [f for f in self.fields if f not in names]
         extra = sorted(str(n) for n in names if n not in self._index)
@@ -157,33 +146,67 @@ class ColumnBuffer:
                 f"trace does not match the declared fields: {'; '.join(parts)} "
                 f"(declared: {', '.join(self.fields)})"
             )
+        pairs = zip(self.fields, self.types, strict=True)
+        columns = tuple(convert(f, t, trace[f]) for f, t in pairs)
+        rows = columns[0].rows
+        if any(c.rows != rows for c in columns):
+            counts = ", ".join(f"{f}={c.rows}" for f, c in zip(self.fields, columns, strict=True))
+            raise ValueError(
+                f"trace fields must have the same number of rows: expected {rows} rows "
+                f"(from {self.fields[0]!r}) in every field, got {counts}"
+            )
+        return columns, rows
 
-    def _column(
-        self, field: str, type_: OdpsType, dtype: np.dtype[Any] | None, value: object
-    ) -> Column:
-        """``convert``, with the common case inlined: a numpy array already of the stored
-        dtype (1-D, or 2-D for ``array<...>``) is kept as it is, without a copy when it is
-        read-only and owns its memory (a collector's copy)."""
-        if type(value) is np.ndarray and value.dtype == dtype:
-            if type_.element is None:
-                if value.ndim == 1:
-                    return Column(freeze(value))
-            elif value.ndim == 2 and value.size <= _OFFSET_MAX:
-                rows, width = value.shape
-                return Column(freeze(value).reshape(-1), (self._offsets(rows, width),))
-        return convert(field, type_, value)
+    def _columns_fast(self, trace: Mapping[str, object]) -> tuple[tuple[Column, ...], int] | None:
+        """The common step in one flat pass (it runs on every step, right after the model's
+        compute, when little of Python is in cache): every declared field a numpy array of
+        a numeric type (1-D, or 2-D for ``array<...>``), all with one row count.  Arrays of
+        the stored dtype are kept (copied only if the caller could still change them);
+        other numbers are cast to floating point types.  Anything else -- and every error
+        -- goes the full way through :func:`~recis_async.schema.convert`."""
+        if len(trace) != len(self.fields):
+            return None
+        columns = []
+        rows = -1
+        for field, dtype, nested in self._plan:
+            value = trace.get(field)
+            if type(value) is not np.ndarray or dtype is None:
+                return None
+            if value.dtype != dtype:
+                if dtype.kind != "f" or value.dtype.kind not in "fiu":
+                    return None  # integer narrowing, bools...: checked by convert
+                value = value.astype(dtype)
+                value.flags.writeable = False
+            else:
+                value = freeze(value)
+            if nested:
+                if value.ndim != 2 or value.size > _OFFSET_MAX:
+                    return None
+                n, width = value.shape
+                column = Column(value.reshape(-1), (self._offsets(n, width),))
+            else:
+                if value.ndim != 1:
+                    return None
+                n = len(value)
+                column = Column(value)
+            if n != rows:
+                if rows >= 0:
+                    return None
+                rows = n
+            columns.append(column)
+        return tuple(columns), rows
 
     def _offsets(self, rows: int, width: int) -> np.ndarray:
-        """Offsets ``0, width, ..., rows * width`` as a read-only view of one cached range per
-        width, so a regular 2-D column costs no allocation per step."""
-        have = self._ranges.get(width)
-        if have is None or len(have) <= rows:
-            size = max(rows + 1, 2 * len(have) if have is not None else 1024)
-            have = np.arange(size, dtype=np.int64) * width
-            have = have.astype(np.int32)
-            have.setflags(write=False)
-            self._ranges[width] = have
-        return have[: rows + 1]
+        """Offsets ``0, width, ..., rows * width``: read-only, made once per shape."""
+        key = (rows, width)
+        offsets = self._offset_cache.get(key)
+        if offsets is None:
+            if len(self._offset_cache) >= 64:  # many batch sizes: start over
+                self._offset_cache.clear()
+            offsets = (np.arange(rows + 1, dtype=np.int64) * width).astype(np.int32)
+            offsets.flags.writeable = False
+            self._offset_cache[key] = offsets
+        return offsets
 
     def append(self, trace: Mapping[str, object]) -> int:
         """Validate and keep a step's trace; all or nothing.  Returns the rows added."""
@@ -192,10 +215,12 @@ class ColumnBuffer:
         columns, rows = self.validate(trace)
         if rows == 0:
             return 0
+        nbytes = 0
         for chunks, column in zip(self._chunks, columns, strict=True):
             chunks.append(column)
+            nbytes += column.nbytes
         self._rows += rows
-        self._nbytes += sum(c.nbytes for c in columns)
+        self._nbytes += nbytes
         self._steps += 1
         if self._first_at is None:
             self._first_at = time.monotonic()
