@@ -93,13 +93,15 @@ async def test_mlflow_in_a_child_through_the_hook(tmp_path: Path) -> None:
     from mlflow import MlflowClient
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    factory = functools.partial(MlflowTracker, uri, artifact_location=str(tmp_path / "art"))
+    tracker = MlflowTracker(uri, artifact_location=str(tmp_path / "art"))  # a SubprocessTracker
     async with HookBus() as bus:
-        bus.add_hook(MLTrackerHook("sub", "run", {"lr": 0.5}, tracker=SubprocessTracker(factory)))
+        bus.add_hook(MLTrackerHook("sub", "run", {"lr": 0.5}, tracker=tracker))
         for step in range(300):
             await bus.publish(AfterStep(global_step=step, tracked={"loss": step / 300}))
+    assert tracker.pid is not None and tracker.pid != os.getpid()
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("sub").experiment_id])
+    assert run.info.run_id == tracker.run_id  # handed back by the child
     assert run.info.status == "FINISHED" and run.data.params == {"lr": "0.5"}
     history = client.get_metric_history(run.info.run_id, "loss")
     assert sorted(m.step for m in history) == list(range(300))
