@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,6 +40,20 @@ def _run_dir(root: Path) -> Path:
     (project,) = list(root.iterdir())
     (run,) = list(project.iterdir())
     return run
+
+
+def test_the_child_outlives_a_ctrl_c_of_the_process_group(tmp_path: Path) -> None:
+    """SIGINT goes to every process of the terminal's group: the child must still take the
+    parent's last records and finish the run while the parent drains."""
+    tracker = SubprocessTracker(functools.partial(JsonlTracker, tmp_path))
+    tracker.start(RunSpec(project="p", name="n"))
+    assert tracker.pid is not None
+    os.kill(tracker.pid, signal.SIGINT)
+    tracker.log([StepRecord(s, time.time(), {"loss": s / 10}) for s in range(5)])
+    tracker.finish("preempted")
+    run = _run_dir(tmp_path)
+    assert [r.step for r in read_records(run / "metrics.jsonl")] == list(range(5))
+    assert b'"status":"preempted"' in (run / "run.json").read_bytes()
 
 
 def test_forwards_calls_and_arrays(tmp_path: Path) -> None:

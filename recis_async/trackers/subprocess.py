@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import multiprocessing
 import pickle
+import signal
 import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
@@ -68,7 +69,11 @@ class _Reply(msgspec.Struct, array_like=True):
 
 
 def _serve(conn: Connection, factory_pickle: bytes) -> None:
-    """Child process: build the tracker, answer calls until ``finish`` or the pipe closes."""
+    """Child process: build the tracker, answer calls until ``finish`` or the pipe closes.
+
+    Ctrl-C reaches the whole process group; the child ignores it, so the parent's bus can
+    still deliver what is buffered and finish the run while it shuts down."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     decoder = msgspec.msgpack.Decoder(_Call, ext_hook=_ext_hook)
     encoder = msgspec.msgpack.Encoder()
     tracker: Any = None
