@@ -14,11 +14,24 @@ import time
 from collections.abc import Mapping, Sequence
 
 import msgspec
+import numpy as np
 import pyarrow as pa
 
-from .schema import Column, OdpsType, arrow_schema, convert, from_arrow, parse_schema, to_arrow
+from .schema import (
+    Column,
+    OdpsType,
+    arrow_schema,
+    convert,
+    fast_dtype,
+    freeze,
+    from_arrow,
+    parse_schema,
+    to_arrow,
+)
 
 __all__ = ["Batch", "ColumnBuffer"]
+
+_OFFSET_MAX = np.iinfo(np.int32).max
 
 
 class Batch(msgspec.Struct, frozen=True, kw_only=True):
@@ -79,6 +92,12 @@ class ColumnBuffer:
         self._steps = 0
         self._first_at: float | None = None
         self._next_seq = 0
+        # per field: (name, the numpy dtype it is stored as or None, whether array<...>)
+        self._plan = tuple(
+            (f, fast_dtype(t), t.element is not None)
+            for f, t in zip(self.fields, self.types, strict=True)
+        )
+        self._offset_cache: dict[tuple[int, int], np.ndarray] = {}
 
     @property
     def rows(self) -> int:
@@ -111,15 +130,18 @@ class ColumnBuffer:
         declared field is missing, an undeclared one is present, a value cannot be
         converted to its type, or the fields disagree on the number of rows.
         """
+        fast = self._columns_fast(trace)
+        if fast is not None:
+            return fast
         names = set(trace)
         missing = [f for f in self.fields if f not in names]
-        extra = sorted(n for n in names if n not in self._index)
+        extra = sorted(str(n) for n in names if n not in self._index)
         if missing or extra:
             parts = []
             if missing:
                 parts.append("missing " + ", ".join(repr(f) for f in missing))
             if extra:
-                parts.append("undeclared " + ", ".join(repr(str(f)) for f in extra))
+                parts.append("undeclared " + ", ".join(repr(f) for f in extra))
             raise ValueError(
                 f"trace does not match the declared fields: {'; '.join(parts)} "
                 f"(declared: {', '.join(self.fields)})"
@@ -135,6 +157,57 @@ class ColumnBuffer:
             )
         return columns, rows
 
+    def _columns_fast(self, trace: Mapping[str, object]) -> tuple[tuple[Column, ...], int] | None:
+        """The common step in one flat pass (it runs on every step, right after the model's
+        compute, when little of Python is in cache): every declared field a numpy array of
+        a numeric type (1-D, or 2-D for ``array<...>``), all with one row count.  Arrays of
+        the stored dtype are kept (copied only if the caller could still change them);
+        other numbers are cast to floating point types.  Anything else -- and every error
+        -- goes the full way through :func:`~recis_async.schema.convert`."""
+        if len(trace) != len(self.fields):
+            return None
+        columns = []
+        rows = -1
+        for field, dtype, nested in self._plan:
+            value = trace.get(field)
+            if type(value) is not np.ndarray or dtype is None:
+                return None
+            if value.dtype != dtype:
+                if dtype.kind != "f" or value.dtype.kind not in "fiu":
+                    return None  # integer narrowing, bools...: checked by convert
+                value = value.astype(dtype)
+                value.flags.writeable = False
+            else:
+                value = freeze(value)
+            if nested:
+                if value.ndim != 2 or value.size > _OFFSET_MAX:
+                    return None
+                n, width = value.shape
+                column = Column(value.reshape(-1), (self._offsets(n, width),))
+            else:
+                if value.ndim != 1:
+                    return None
+                n = len(value)
+                column = Column(value)
+            if n != rows:
+                if rows >= 0:
+                    return None
+                rows = n
+            columns.append(column)
+        return tuple(columns), rows
+
+    def _offsets(self, rows: int, width: int) -> np.ndarray:
+        """Offsets ``0, width, ..., rows * width``: read-only, made once per shape."""
+        key = (rows, width)
+        offsets = self._offset_cache.get(key)
+        if offsets is None:
+            if len(self._offset_cache) >= 64:  # many batch sizes: start over
+                self._offset_cache.clear()
+            offsets = (np.arange(rows + 1, dtype=np.int64) * width).astype(np.int32)
+            offsets.flags.writeable = False
+            self._offset_cache[key] = offsets
+        return offsets
+
     def append(self, trace: Mapping[str, object]) -> int:
         """Validate and keep a step's trace; all or nothing.  Returns the rows added."""
         if not trace:
@@ -142,10 +215,12 @@ class ColumnBuffer:
         columns, rows = self.validate(trace)
         if rows == 0:
             return 0
+        nbytes = 0
         for chunks, column in zip(self._chunks, columns, strict=True):
             chunks.append(column)
+            nbytes += column.nbytes
         self._rows += rows
-        self._nbytes += sum(c.nbytes for c in columns)
+        self._nbytes += nbytes
         self._steps += 1
         if self._first_at is None:
             self._first_at = time.monotonic()

@@ -91,10 +91,15 @@ def add_metric(name: str, value: Any) -> None:
 def add_to_trace(name: str, value: Any) -> None:
     """Record a trace column for the current step (``AfterStep.trace``): a tensor, numpy array
     or list, one entry per row.  The value is copied, so later in-place updates do not leak."""
-    collector = current_collector("add_to_trace")
-    _check_name("add_to_trace", name)
+    collector = _current.get()
+    if collector is None or not collector.open:
+        collector = current_collector("add_to_trace")  # raises, naming the call
+    if type(name) is not str or not name:
+        _check_name("add_to_trace", name)
+    # one copy into memory the trace owns; the hot path is kept short on purpose (it runs
+    # every step, right after the model's compute, when Python's code is out of cache)
     if isinstance(value, torch.Tensor):
-        array = value.detach().cpu().numpy().copy()
+        array = value.detach().numpy(force=True).copy()
     elif isinstance(value, np.ndarray):
         array = value.copy()
     elif isinstance(value, list):
@@ -112,7 +117,7 @@ def add_to_trace(name: str, value: Any) -> None:
         raise ValueError(
             f"add_to_trace({name!r}): expected one entry per row (1-D or 2-D), got a scalar"
         )
-    array.setflags(write=False)  # ours alone: hooks may keep it without another copy
+    array.flags.writeable = False  # ours alone: hooks may keep it without another copy
     collector.trace[name] = array
 
 

@@ -431,7 +431,13 @@ def _array(value: Any, type_: OdpsType) -> Column:
     )
 
 
-def _frozen(value: np.ndarray) -> np.ndarray:
+def fast_dtype(type_: OdpsType) -> np.dtype[Any] | None:
+    """The numpy dtype whose arrays a column of ``type_`` keeps without conversion (the
+    element's for ``array<...>``), or None when every value needs converting."""
+    return _FAST_DTYPES.get((type_.element or type_).name)
+
+
+def freeze(value: np.ndarray) -> np.ndarray:
     """``value`` itself if nothing can change it any more, else a read-only copy.
 
     A contiguous array that owns its memory and is already read-only is kept as it is (a
@@ -448,14 +454,14 @@ def _fast(type_: OdpsType, value: np.ndarray) -> Column | None:
     element = type_.element
     if element is None:
         if value.ndim == 1 and value.dtype == _FAST_DTYPES.get(type_.name):
-            return Column(_frozen(value))
+            return Column(freeze(value))
     elif (
         value.ndim == 2
         and value.dtype == _FAST_DTYPES.get(element.name)
         and value.size <= _OFFSET_MAX
     ):
         rows, width = value.shape
-        flat = _frozen(value).reshape(-1)
+        flat = freeze(value).reshape(-1)
         return Column(flat, (_readonly(_regular_offsets(rows, width)),))
     return None
 

@@ -30,9 +30,11 @@ from time import perf_counter
 from typing import Any, Protocol
 
 import anyio
+from anyio.lowlevel import checkpoint
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .buffer import Batch
+from .schema import OdpsType
 from .sinks.base import Attempt, Sink, SinkError
 from .spill import SpillEntry, write_spill
 
@@ -60,6 +62,9 @@ class TraceDeliveryError(RuntimeError):
 
 class BatchSource(Protocol):
     """Where batches are sealed upstream (a :class:`~recis_async.buffer.ColumnBuffer`)."""
+
+    fields: tuple[str, ...]
+    types: tuple[OdpsType, ...]
 
     @property
     def rows(self) -> int: ...
@@ -176,9 +181,12 @@ class TraceWriter:
         self._pending[id(batch)] = batch
         try:
             self._tx.send_nowait(batch)
-            return
         except anyio.WouldBlock:
             pass
+        else:
+            # let a worker start on it now: the bus itself yields only every ~100 ms
+            await checkpoint()
+            return
         t = perf_counter()
         try:
             await self._tx.send(batch)
@@ -200,6 +208,7 @@ class TraceWriter:
             "buffered_rows": source.rows if source is not None else 0,
             "buffered_bytes": source.nbytes if source is not None else 0,
             **self._stats,
+            "sink_open": self._opened,
             "backpressure_wait_s": self._wait_s,
             "spill_files": [str(p) for p in self._spill_files],
         }
@@ -210,6 +219,8 @@ class TraceWriter:
         self._running.set()
         try:
             async with anyio.create_task_group() as outer:
+                if self._source is not None:
+                    outer.start_soon(self._open_early, name=f"{self.name}:open")
                 if self._max_age is not None and self._source is not None:
                     outer.start_soon(self._age_timer, name=f"{self.name}:max_age")
                 await self._work(self._rx, self.worker_num)
@@ -252,7 +263,7 @@ class TraceWriter:
                 with anyio.CancelScope(deadline=self._deadline) as scope:
                     self._scopes.add(scope)
                     try:
-                        await self._ensure_open(batch)
+                        await self._ensure_open(batch.fields, batch.types)
                         submitted = True
                         await anyio.to_thread.run_sync(
                             _write, self.sink, batch, attempt, abandon_on_cancel=True
@@ -341,13 +352,24 @@ class TraceWriter:
         self._pending[id(batch)] = batch
         self._held[id(batch)] = SpillEntry(batch, token)
 
-    async def _ensure_open(self, batch: Batch) -> None:
+    async def _open_early(self) -> None:
+        """Open the sink when the bus starts: the first batch does not wait for it, and a bad
+        configuration shows in the log at once.  A failure here is retried by that batch."""
+        assert self._source is not None
+        try:
+            await self._ensure_open(self._source.fields, self._source.types)
+        except Exception as exc:
+            logger.warning(
+                "%s: cannot open the sink yet (retried with the first batch): %s", self.name, exc
+            )
+
+    async def _ensure_open(self, fields: tuple[str, ...], types: tuple[OdpsType, ...]) -> None:
         if self._opened:
             return
         async with self._open_lock:
             if not self._opened:
                 await anyio.to_thread.run_sync(
-                    self.sink.open, batch.fields, batch.types, abandon_on_cancel=True
+                    self.sink.open, fields, types, abandon_on_cancel=True
                 )
                 self._opened = True
 

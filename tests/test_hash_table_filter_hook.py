@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from recis_async import HookBus, Trainer, TrainingArguments
+from recis_async import Hook, HookBus, Trainer, TrainingArguments
 from recis_async.events import AfterStep, BeforeStep
 from recis_async.hooks import HashTableFilterHook
 from recis_async.nn import DynamicEmbedding, EmbeddingOption, EvictionPlan, FilterHook, HashTable
@@ -196,6 +196,14 @@ async def test_trainer_run_filters_its_model() -> None:
         for step in range(10)
     ]
     hook = HashTableFilterHook(4, model=model)
+
+    class OneEvictionAtATime(Hook):
+        """The steps here take microseconds: let each eviction finish before the next step,
+        so the one at step 8 is not skipped as overlapping the one at step 4."""
+
+        async def before_step(self, event: BeforeStep) -> None:
+            await hook.wait_idle()
+
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     model.emb.attach_optimizer(opt)
     async with HookBus() as bus:
@@ -203,7 +211,7 @@ async def test_trainer_run_filters_its_model() -> None:
             model,
             TrainingArguments(train_steps=10),
             data,
-            hooks=[hook],
+            hooks=[hook, OneEvictionAtATime()],
             dense_optimizers=(opt, None),
             bus=bus,
         )

@@ -73,7 +73,9 @@ def test_validation(tmp_path: Path) -> None:
         SummarySaverHook(0, tmp_path)
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(ValueError, match=r"SummarySaverHook\(output_dir=...\): expected a writable"):
+    with pytest.raises(
+        ValueError, match=r"SummarySaverHook\(output_dir=...\): expected a writable"
+    ):
         SummarySaverHook(10, blocker / "tb")
     with pytest.raises(TypeError, match="SummarySaverHook.model: expected a torch.nn.Module"):
         SummarySaverHook(10, tmp_path, model="m")  # type: ignore[arg-type]

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from odps_server import (
     TEST_ACCESS_ID,
@@ -18,8 +19,10 @@ from odps_server import (
 )
 from trace_data import ALL_FIELDS, ALL_TYPES, all_types_batch, expected_row, simple_batches
 
+from recis_async.buffer import ColumnBuffer
 from recis_async.schema import parse_type
 from recis_async.sinks import Attempt, OdpsSink, SinkError
+from recis_async.sinks.odps import _Crc32c, _use_hardware_crc
 
 SIMPLE = (("id", "v"), ("bigint", "double"))
 
@@ -58,6 +61,37 @@ def test_every_type_round_trips_through_odps(server: OdpsServer) -> None:
     # the server decoded the block with pyodps's arrow tunnel reader and stored typed columns
     stored = server.committed("all_types", "dt=20261122,hour=10")
     assert str(stored.schema.field("c_arr_float").type) == "list<item: float>"
+
+
+def test_blocks_are_checksummed_in_hardware_and_pyodps_verifies_them(
+    server: OdpsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from odps.tunnel import TableTunnel
+
+    sink = simple_sink(server)
+    # the pinned pyodps keeps its block checksums where the sink swaps in the fast ones
+    tunnel = TableTunnel(pyodps_client(server), endpoint=server.tunnel_endpoint)
+    writer = tunnel.create_upload_session("t", partition_spec="dt=20261122").open_arrow_writer(0)
+    _use_hardware_crc(writer)
+    assert isinstance(writer._crc, _Crc32c) and isinstance(writer._crccrc, _Crc32c)
+    writer.close()  # an uncommitted session: nothing lands
+
+    # ~640 KB: ten 64 KiB chunks, each with its CRC, then the block's; the service decodes
+    # with pyodps's reader, which checks them all
+    buffer = ColumnBuffer(*SIMPLE)
+    for step in range(8):
+        rows = np.arange(step * 5000, (step + 1) * 5000)
+        buffer.append({"id": rows, "v": rows * 0.5})
+    batch = buffer.seal()
+    assert batch is not None
+    sink.write(batch, Attempt())
+    assert ids(server) == list(range(40_000))
+
+    # and a wrong checksum is refused, so the check above is real
+    monkeypatch.setattr(_Crc32c, "getvalue", lambda self: self._value ^ 1)
+    with pytest.raises(SinkError, match="MalformedDataStream"):
+        sink.write(simple_batches(1, seq_start=9000)[0], Attempt())
+    assert len(ids(server)) == 40_000
 
 
 def test_open_creates_table_and_partition_then_reuses_them(server: OdpsServer) -> None:

@@ -43,7 +43,7 @@ async def run_steps(bus: HookBus, steps: range, *, rows: int = ROWS) -> None:
 
 
 def parquet_ids(root: Path, table: str = "t") -> list[int]:
-    if not (root / table).exists():
+    if not any((root / table).rglob("*.parquet")):  # the sink makes its folder at start
         return []
     return sorted(pads.dataset(root / table).to_table().column("id").to_pylist())
 
@@ -266,6 +266,39 @@ async def test_transient_odps_faults_are_retried_and_deliver_exactly_once(
     stats = hook.writer.stats()
     assert stats["retries"] == 5 and stats["spilled"] == 0
     assert sum("fault lost response commit" in line for line in server.log_lines) == 2
+
+
+@pytest.mark.anyio
+async def test_the_sink_opens_when_the_bus_starts(server: OdpsServer, tmp_path: Path) -> None:
+    hook = odps_hook(server, tmp_path)
+    async with HookBus() as bus:
+        bus.add_hook(hook)
+        with anyio.fail_after(10):
+            while not hook.writer.stats()["sink_open"]:
+                await anyio.sleep(0.01)
+        # before any step: the table and its partition exist, nothing was uploaded
+        assert "dt=20261122" in server.state.partitions["t"]
+        assert server.counts("put_block") == 0
+        await run_steps(bus, range(4))
+    assert odps_ids(server) == list(range(4 * ROWS))
+
+
+@pytest.mark.anyio
+async def test_an_early_open_that_fails_is_logged_and_retried_by_the_first_batch(
+    server: OdpsServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    server.inject("table_meta", "4xx", times=1)
+    hook = odps_hook(server, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="recis_async.writer"):
+        async with HookBus() as bus:
+            bus.add_hook(hook)
+            with anyio.fail_after(10):
+                while "cannot open the sink yet" not in caplog.text:
+                    await anyio.sleep(0.01)
+            assert not hook.writer.stats()["sink_open"]
+            await run_steps(bus, range(4))
+    assert odps_ids(server) == list(range(4 * ROWS))
+    assert hook.writer.stats()["spilled"] == 0
 
 
 @pytest.mark.anyio

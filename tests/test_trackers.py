@@ -114,7 +114,9 @@ def test_jsonl_resume_appends(tmp_path: Path) -> None:
 def test_jsonl_unwritable_root(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(ValueError, match=r"JsonlTracker\(root=...\): expected a writable directory"):
+    with pytest.raises(
+        ValueError, match=r"JsonlTracker\(root=...\): expected a writable directory"
+    ):
         JsonlTracker(blocker / "runs")
 
 

@@ -309,6 +309,10 @@ class _CheckpointWriter:
                 self._idle = anyio.Event()
             self._wake.set()
 
+    async def idle(self) -> None:
+        """Return once nothing is queued, written or allocated (or the writer stopped)."""
+        await self._idle.wait()
+
     async def wait_idle(self) -> None:
         """Return once nothing is queued, written or allocated; raise if the writer failed."""
         await self._idle.wait()
@@ -658,35 +662,42 @@ class CheckpointSaverHook(Hook):
 
     async def end(self, event: End) -> None:
         step = self._last_step
-        if not self.save_end or step is None or step == self._last_saved:
+        if step is None:
             return
         if event.status not in _SAVE_AT_END:
             logger.info("no checkpoint at End: the run ended %r", event.status)
             return
-        writer = self._writer
-        if writer is not None and writer.failure is not None:
-            logger.error("no checkpoint at End (step %d): an earlier write failed", step)
-            return
-        await self._save(step)
+        if self.save_end and step != self._last_saved:
+            await self._save(step, at_end=True)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # rank 0 writes alone: every rank's run ends once the last checkpoint is on disk,
+            # so what follows training (evaluation, a restore) finds it on every rank
+            if self._writer is not None:
+                with anyio.move_on_after(self.barrier_timeout):
+                    await self._writer.idle()
+            await self._barrier(f"the barrier after checkpoint {step} was written")
 
-    async def _save(self, step: int) -> None:
+    async def _save(self, step: int, *, at_end: bool = False) -> None:
         """Barrier with the other ranks, then (rank 0) publish ``BeforeSaveCheckpoint`` and
-        take the snapshot."""
+        take the snapshot.  At ``End`` a writer that already failed (and raised then) is
+        only logged, after the barrier, so the other ranks are not left waiting."""
         bus = self._require_bus()
         if dist.is_initialized() and dist.get_world_size() > 1:
-            await anyio.to_thread.run_sync(
-                functools.partial(
-                    dist.barrier,
-                    timeout=self.barrier_timeout,
-                    what=f"the barrier before checkpoint {step}",
-                )
-            )
+            await self._barrier(f"the barrier before checkpoint {step}")
         if self._writer is None:  # not rank 0
             self._last_saved = step
+            return
+        if at_end and self._writer.failure is not None:
+            logger.error("no checkpoint at End (step %d): an earlier write failed", step)
             return
         path = checkpoint_path(self.output_dir, step)
         await bus.publish(BeforeSaveCheckpoint(global_step=step, path=path))
         self._take(bus, step, path)
+
+    async def _barrier(self, what: str) -> None:
+        await anyio.to_thread.run_sync(
+            functools.partial(dist.barrier, timeout=self.barrier_timeout, what=what)
+        )
 
     def after_load_checkpoint(self, event: AfterLoadCheckpoint) -> None:
         self._last_saved = event.global_step  # that state is on disk already
