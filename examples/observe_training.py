@@ -9,7 +9,6 @@ python examples/observe_training.py --tracker tensorboard # tensorboard --logdir
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from recis_async.hooks import (
     ReportArguments,
     SummarySaverHook,
 )
-from recis_async.trackers import JsonlTracker, MlflowTracker, SubprocessTracker, TensorBoardTracker
+from recis_async.trackers import JsonlTracker, MlflowTracker, TensorBoardTracker
 
 
 def make_tracker(kind: str, out: Path) -> Any:
@@ -35,11 +34,9 @@ def make_tracker(kind: str, out: Path) -> Any:
         return JsonlTracker(out / "runs")
     if kind == "tensorboard":
         return TensorBoardTracker(out / "tb")
-    # MLflow's client is Python-heavy: run it in a child process, off the training GIL.
+    # MlflowTracker runs MLflow's (Python-heavy) client in a child process, off the training GIL.
     uri = f"sqlite:///{out / 'mlflow.db'}"
-    return SubprocessTracker(
-        functools.partial(MlflowTracker, uri, artifact_location=str(out / "mlartifacts"))
-    )
+    return MlflowTracker(uri, artifact_location=str(out / "mlartifacts"))
 
 
 async def main(steps: int, kind: str, out: Path) -> None:

@@ -126,6 +126,9 @@ def add_to_ml_tracker(name: str, value: Any) -> None:
     numpy array or list; arrays become lists."""
     collector = current_collector("add_to_ml_tracker")
     _check_name("add_to_ml_tracker", name)
+    if type(value) is float or type(value) is int:  # the common case, kept cheap on the step
+        collector.tracked[name] = value
+        return
     converted = _scalar_or_array(value)
     if isinstance(converted, np.ndarray):
         converted = converted.tolist()

@@ -205,6 +205,57 @@ async def test_the_snapshot_is_taken_on_the_step(tmp_path: Path) -> None:
     assert not torch.equal(saved["model"]["linear.weight"], model.linear.weight)
 
 
+async def test_the_snapshot_copy_is_split_over_threads_and_done_on_the_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With every tensor worth a thread, the copies run in several threads, all finished
+    before the publish returns (a later hook zeroing the weights cannot reach the file);
+    a tensor met twice stays one tensor and a strided view keeps its values."""
+    monkeypatch.setattr(checkpoint_module, "_COPY_MIN_BYTES", 1)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    copying: set[str] = set()
+    real_copy = torch.Tensor.copy_
+
+    def recording_copy(self: torch.Tensor, src: torch.Tensor, *args: Any) -> torch.Tensor:
+        copying.add(threading.current_thread().name)
+        return real_copy(self, src, *args)
+
+    model, opt, sched = parts()
+    view = torch.arange(12.0).reshape(3, 4).t()  # not contiguous
+    expected: dict[str, torch.Tensor] = {}
+
+    class Holder(Hook):
+        def state_dict(self) -> dict[str, Any]:
+            return {"view": view, "same": view}  # one tensor under two names
+
+    class Vandal(Hook):
+        priority = Priority.LOWEST
+
+        def after_step(self, event: AfterStep) -> None:
+            expected.update({k: v.clone() for k, v in model.state_dict().items()})
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.zero_()
+            view.zero_()
+
+    async with HookBus() as bus:
+        bus.add_hook(CheckpointSaverHook(tmp_path, save_steps=1, save_end=False, model=model))
+        bus.add_hook(Holder())
+        bus.add_hook(Vandal())
+        monkeypatch.setattr(torch.Tensor, "copy_", recording_copy)
+        await train_steps(bus, model, opt, sched, data(1))
+        monkeypatch.undo()
+    assert {"MainThread", "recis-checkpoint-copy"} <= copying
+    saved = torch.load(tmp_path / "checkpoint-1.pt", weights_only=True)
+    assert_same_state(saved["model"], expected)
+    held = saved["hooks"]["Holder"]
+    assert torch.equal(held["view"], torch.arange(12.0).reshape(3, 4).t())
+    assert held["same"].data_ptr() == held["view"].data_ptr()  # still one tensor
+    restored = Net()
+    restored.load_state_dict(saved["model"])
+    assert_same_state(restored.state_dict(), expected)
+
+
 async def test_max_to_keep_keeps_the_newest(tmp_path: Path) -> None:
     model, opt, sched = parts()
     (tmp_path / "notes.txt").write_text("not a checkpoint")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,6 +40,20 @@ def _run_dir(root: Path) -> Path:
     (project,) = list(root.iterdir())
     (run,) = list(project.iterdir())
     return run
+
+
+def test_the_child_outlives_a_ctrl_c_of_the_process_group(tmp_path: Path) -> None:
+    """SIGINT goes to every process of the terminal's group: the child must still take the
+    parent's last records and finish the run while the parent drains."""
+    tracker = SubprocessTracker(functools.partial(JsonlTracker, tmp_path))
+    tracker.start(RunSpec(project="p", name="n"))
+    assert tracker.pid is not None
+    os.kill(tracker.pid, signal.SIGINT)
+    tracker.log([StepRecord(s, time.time(), {"loss": s / 10}) for s in range(5)])
+    tracker.finish("preempted")
+    run = _run_dir(tmp_path)
+    assert [r.step for r in read_records(run / "metrics.jsonl")] == list(range(5))
+    assert b'"status":"preempted"' in (run / "run.json").read_bytes()
 
 
 def test_forwards_calls_and_arrays(tmp_path: Path) -> None:
@@ -93,13 +108,15 @@ async def test_mlflow_in_a_child_through_the_hook(tmp_path: Path) -> None:
     from mlflow import MlflowClient
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    factory = functools.partial(MlflowTracker, uri, artifact_location=str(tmp_path / "art"))
+    tracker = MlflowTracker(uri, artifact_location=str(tmp_path / "art"))  # a SubprocessTracker
     async with HookBus() as bus:
-        bus.add_hook(MLTrackerHook("sub", "run", {"lr": 0.5}, tracker=SubprocessTracker(factory)))
+        bus.add_hook(MLTrackerHook("sub", "run", {"lr": 0.5}, tracker=tracker))
         for step in range(300):
             await bus.publish(AfterStep(global_step=step, tracked={"loss": step / 300}))
+    assert tracker.pid is not None and tracker.pid != os.getpid()
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("sub").experiment_id])
+    assert run.info.run_id == tracker.run_id  # handed back by the child
     assert run.info.status == "FINISHED" and run.data.params == {"lr": "0.5"}
     history = client.get_metric_history(run.info.run_id, "loss")
     assert sorted(m.step for m in history) == list(range(300))

@@ -60,6 +60,8 @@ _TMP_PREFIX = ".checkpoint-"
 _TMP_MARK = ".pt.tmp-"
 _PLAIN = (type(None), bool, int, float, str, bytes)
 _SAVE_AT_END = ("ok", "preempted")  # a failed or cancelled run may hold a broken model
+_COPY_THREADS = 4  # at most this many threads copy a snapshot (memory bandwidth caps the gain)
+_COPY_MIN_BYTES = 4 << 20  # a thread per this many bytes: smaller copies are not worth one
 
 A = TypeVar("A")
 R = TypeVar("R")
@@ -128,6 +130,10 @@ class _Copier:
     ``spare`` holds the CPU tensors of a snapshot that is no longer needed (written or
     superseded): a tensor of the same place, shape and dtype is overwritten in place instead
     of allocated, which spares the step the page faults of fresh memory.
+
+    Strided tensors are copied by :meth:`finish`, not during the walk: the copies are split
+    by size over the calling thread and helper threads (``Tensor.copy_`` releases the GIL),
+    so the step waits for a fraction of one thread's memory copy.
     """
 
     def __init__(self, spare: Buffers | None = None) -> None:
@@ -135,6 +141,7 @@ class _Copier:
         self.buffers: Buffers = {}
         self._spare = spare or {}
         self._tensors: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, source)
 
     def copy(self, obj: Any, where: str) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -167,12 +174,46 @@ class _Copier:
             return done
         spare = self._spare.pop(where, None)
         if spare is not None and spare.shape == t.shape and spare.dtype == t.dtype:
-            done = spare.copy_(t)
+            done = spare
         else:
-            done = t.to("cpu", copy=True)
+            done = torch.empty_like(t, device="cpu")
+        self._copies.append((done, t))
         self._tensors[key] = self.buffers[where] = done
         self.nbytes += done.numel() * done.element_size()
         return done
+
+    def finish(self) -> None:
+        """Copy every tensor the walk met, using up to :data:`_COPY_THREADS` threads."""
+        copies, self._copies = self._copies, []
+        nbytes = sum(dst.numel() * dst.element_size() for dst, _ in copies)
+        threads = max(1, min(_COPY_THREADS, os.cpu_count() or 1, nbytes // _COPY_MIN_BYTES))
+        shares: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(threads)]
+        loads = [0] * threads
+        by_size = sorted(copies, key=lambda c: c[0].numel() * c[0].element_size(), reverse=True)
+        for dst, src in by_size:
+            i = loads.index(min(loads))  # largest first, each to the least loaded share
+            shares[i].append((dst, src))
+            loads[i] += dst.numel() * dst.element_size()
+        errors: list[BaseException] = []
+
+        def run(share: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+            try:
+                for dst, src in share:
+                    dst.copy_(src)
+            except BaseException as exc:
+                errors.append(exc)
+
+        helpers = [
+            threading.Thread(target=run, args=(share,), name="recis-checkpoint-copy")
+            for share in shares[1:]
+        ]
+        for helper in helpers:
+            helper.start()
+        run(shares[0])
+        for helper in helpers:
+            helper.join()
+        if errors:
+            raise errors[0]
 
 
 Layout = dict[str, tuple[torch.Size, torch.dtype]]
@@ -493,7 +534,8 @@ class CheckpointSaverHook(Hook):
     the CPU tensors of the last snapshot written (or superseded) are kept and overwritten in
     place by the next one, which makes the copy on the step several times cheaper than fresh
     allocations, at the price of holding one snapshot's worth of host memory between saves
-    (three at most).
+    (three at most).  The copy is split by size over up to four threads (one per 4 MiB, at most
+    one per CPU): the step waits for its share of the memory bandwidth, not one thread's copy.
 
     The write runs in a thread of its own, on Linux reniced by ``writer_nice`` (``None``: not
     reniced), so that where cores are scarce the write yields the CPU to training rather than
@@ -685,6 +727,7 @@ class CheckpointSaverHook(Hook):
                 key: copier.copy(state, f"hook state {key!r}") for key, state in hooks.items()
             },
         }
+        copier.finish()
         self._writer.submit(_Snapshot(step, path, payload, copier.nbytes, copier.buffers))
         self._last_saved = step
         self._last_time = time.monotonic()

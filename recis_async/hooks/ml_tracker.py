@@ -117,7 +117,7 @@ class MLTrackerHook(Hook):
 
     async def after_step(self, event: AfterStep) -> None:
         if event.is_train and event.tracked:
-            await self._put(event.global_step, event.tracked, "AfterStep.tracked", "")
+            await self._put(event.global_step, event.tracked, "AfterStep.tracked", "", owned=True)
 
     async def after_eval(self, event: AfterEval) -> None:
         if event.metrics:
@@ -142,23 +142,37 @@ class MLTrackerHook(Hook):
         if self._service is not None:
             await self._service.flush()
 
-    async def _put(self, step: int, values: Mapping[str, Any], where: str, prefix: str) -> None:
+    async def _put(
+        self, step: int, values: Mapping[str, Any], where: str, prefix: str, owned: bool = False
+    ) -> None:
+        """Check ``values`` and buffer them; ``owned``: a dict nobody else changes (an event's
+        ``tracked``, fresh from the collector each step), which may be kept without a copy."""
         service = self._service
         if service is None:
             raise RuntimeError(f"{self!r} is not attached to a bus (bus.add_hook(hook) first)")
-        checked: dict[str, Any] = {}
         names = self._names
         nbytes = RECORD_OVERHEAD
-        for key, value in values.items():
-            full = prefix + key if prefix else key
-            if full not in names:
-                check_metric_name(full, where=f"{where} key")
-                names.add(full)
-            if type(value) is not float:  # floats (the common case) need no conversion
-                value = to_tracked_value(key, value, where=where)
-                if isinstance(value, np.ndarray):
-                    nbytes += value.nbytes
-            checked[full] = value
-            nbytes += VALUE_OVERHEAD + len(full)
+        checked: dict[str, Any]
+        if (
+            owned
+            and type(values) is dict
+            and names.issuperset(values)
+            and all(type(v) is float for v in values.values())
+        ):  # the common step, kept cheap: known names, float values, nothing to convert
+            checked = values
+            nbytes += len(values) * VALUE_OVERHEAD + sum(map(len, values))
+        else:
+            checked = {}
+            for key, value in values.items():
+                full = prefix + key if prefix else key
+                if full not in names:
+                    check_metric_name(full, where=f"{where} key")
+                    names.add(full)
+                if type(value) is not float:  # floats (the common case) need no conversion
+                    value = to_tracked_value(key, value, where=where)
+                    if isinstance(value, np.ndarray):
+                        nbytes += value.nbytes
+                checked[full] = value
+                nbytes += VALUE_OVERHEAD + len(full)
         if checked:
             await service.put(StepRecord(step, time.time(), checked), nbytes)

@@ -1,4 +1,13 @@
-"""MlflowTracker: runs in an MLflow tracking store through ``MlflowClient``.
+"""MlflowTracker: runs in an MLflow tracking store through ``MlflowClient``, in a child process.
+
+MLflow's client is Python through and through (the sqlite store spends ~7 ms per request and
+~50 us per metric in SQLAlchemy); in a worker thread of the training process it holds the
+GIL that long, and the training thread, which takes the GIL back after every torch op, waits
+for it: ~2-3 % of the steps at a few hundred metrics a second.  :class:`MlflowTracker`
+therefore runs :class:`MlflowClientTracker` (the client itself) in a child process through
+:class:`~recis_async.trackers.SubprocessTracker`; the training process only encodes each
+batch and writes it to a pipe.  ``MlflowClientTracker`` is the same tracker in-process, for
+callers that cannot start a process.
 
 ``project`` is the experiment, ``name`` the run name, ``run_id`` resumes a run.  Scalars are
 metrics sent with ``log_batch`` in requests of at most 1000 metrics and about 1 MB (MLflow's
@@ -7,12 +16,13 @@ artifact uploaded when the run finishes.  Params are flattened (``a.b``) and sen
 request; values longer than MLflow's 6000 characters are cut with a warning.
 
 mlflow is an optional extra and is imported when the tracker is built.  The client is only
-used from the tracker's worker thread, and no global mlflow state (active run, tracking
-URI) is touched, so several trackers can coexist in one process.
+used from one thread, and no global mlflow state (active run, tracking URI) is touched, so
+several trackers can coexist in one process.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -27,8 +37,9 @@ import numpy as np
 
 from ..events import EndStatus
 from .base import RunSpec, StepRecord, chunked, encode_value
+from .subprocess import SubprocessTracker
 
-__all__ = ["MlflowTracker", "STATUS_MAP"]
+__all__ = ["MlflowTracker", "MlflowClientTracker", "STATUS_MAP"]
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +84,42 @@ def metric_requests(metrics: Sequence[Any]) -> list[list[Any]]:
     return requests
 
 
-class MlflowTracker:
-    """Log to MLflow.  ``tracking_uri`` may be ``sqlite:///path.db`` (local, offline), an
-    ``http(s)://`` server, or any URI mlflow accepts; ``None`` uses mlflow's default."""
+class MlflowTracker(SubprocessTracker):
+    """Log to MLflow from a child process.  ``tracking_uri`` may be ``sqlite:///path.db``
+    (local, offline), an ``http(s)://`` server, or any URI mlflow accepts; ``None`` uses
+    mlflow's default.  ``run_id`` is the run's id once started.
+
+    The child is started with ``spawn`` (see :class:`SubprocessTracker`): the program's main
+    module must be import-safe (``if __name__ == "__main__":``).
+    """
+
+    def __init__(
+        self,
+        tracking_uri: str | None = None,
+        *,
+        artifact_location: str | None = None,
+        tags: dict[str, str] | None = None,
+    ) -> None:
+        _import_mlflow()  # a missing extra fails here, not in the child
+        super().__init__(
+            functools.partial(
+                MlflowClientTracker,
+                tracking_uri,
+                artifact_location=artifact_location,
+                tags=dict(tags or {}),
+            )
+        )
+        self.tracking_uri = tracking_uri
+        self.artifact_location = artifact_location
+
+    def __repr__(self) -> str:
+        # The URI may carry user:password for an http server; never show it.
+        return f"MlflowTracker(run_id={self.run_id!r})"
+
+
+class MlflowClientTracker:
+    """:class:`MlflowTracker`'s work in the calling process (its worker thread holds the GIL
+    while the client runs: see the module docs)."""
 
     def __init__(
         self,
@@ -96,7 +140,7 @@ class MlflowTracker:
 
     def __repr__(self) -> str:
         # The URI may carry user:password for an http server; never show it.
-        return f"MlflowTracker(run_id={self.run_id!r})"
+        return f"MlflowClientTracker(run_id={self.run_id!r})"
 
     def _scrubbed(self, fn: Callable[..., None], *args: Any) -> None:
         """Call ``fn``; errors are re-raised with the tracking URI's password masked (the

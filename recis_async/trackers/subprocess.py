@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import multiprocessing
 import pickle
+import signal
 import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
@@ -64,10 +65,15 @@ class _Call(msgspec.Struct, array_like=True):
 class _Reply(msgspec.Struct, array_like=True):
     ok: bool
     error: str = ""
+    run_id: str | None = None  # the child tracker's ``run_id`` after start, if it has one
 
 
 def _serve(conn: Connection, factory_pickle: bytes) -> None:
-    """Child process: build the tracker, answer calls until ``finish`` or the pipe closes."""
+    """Child process: build the tracker, answer calls until ``finish`` or the pipe closes.
+
+    Ctrl-C reaches the whole process group; the child ignores it, so the parent's bus can
+    still deliver what is buffered and finish the run while it shuts down."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     decoder = msgspec.msgpack.Decoder(_Call, ext_hook=_ext_hook)
     encoder = msgspec.msgpack.Encoder()
     tracker: Any = None
@@ -89,7 +95,9 @@ def _serve(conn: Connection, factory_pickle: bytes) -> None:
                 text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
                 conn.send_bytes(encoder.encode(_Reply(False, text)))
             else:
-                conn.send_bytes(encoder.encode(_Reply(True)))
+                run_id = getattr(tracker, "run_id", None)
+                reply = _Reply(True, run_id=run_id if isinstance(run_id, str) else None)
+                conn.send_bytes(encoder.encode(reply))
             if call.op == "finish":
                 return
     finally:
@@ -128,6 +136,7 @@ class SubprocessTracker:
         self.call_timeout = float(call_timeout)
         target = factory.func if isinstance(factory, functools.partial) else factory
         self._describe = getattr(target, "__qualname__", None) or type(target).__name__
+        self.run_id: str | None = None  # the child tracker's run_id once started, if any
         self._proc: Any = None
         self._conn: Connection | None = None
         self._encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
@@ -175,11 +184,20 @@ class SubprocessTracker:
             proc = self._proc
             self._stop()
             code = None if proc is None else proc.exitcode
+            hint = (
+                " (a program whose main module is not import-safe must guard its main code "
+                "with `if __name__ == \"__main__\":`)"
+                if call.op == "start"
+                else ""
+            )
             raise RuntimeError(
                 f"{self!r}: the tracker process is gone during {call.op} (exit code {code})"
+                + hint
             ) from exc
         if not reply.ok:
             raise RuntimeError(f"{self!r}: {call.op} failed in the tracker process: {reply.error}")
+        if reply.run_id is not None:
+            self.run_id = reply.run_id
 
     def _stop(self) -> None:
         conn, proc = self._conn, self._proc
