@@ -12,6 +12,7 @@ import pytest
 
 from recis_async.trackers import (
     JsonlTracker,
+    MlflowClientTracker,
     MlflowTracker,
     RunSpec,
     StepRecord,
@@ -147,7 +148,9 @@ def test_metric_requests_respect_mlflow_limits() -> None:
 )
 def test_mlflow_run_status(mlflow_store: tuple[str, str], status: str, expected: str) -> None:
     uri, artifacts = mlflow_store
-    tracker = MlflowTracker(uri, artifact_location=artifacts)
+    # the client's logic, in-process (MlflowTracker runs this same class in a child process;
+    # test_mlflow_metrics_params_arrays and the hook tests go through the child)
+    tracker = MlflowClientTracker(uri, artifact_location=artifacts)
     tracker.start(RunSpec(project="status", name=status))
     tracker.log(_records(3))
     tracker.finish(status)  # type: ignore[arg-type]
@@ -191,12 +194,12 @@ def test_mlflow_metrics_params_arrays(mlflow_store: tuple[str, str], tmp_path: P
 
 def test_mlflow_resume_run(mlflow_store: tuple[str, str]) -> None:
     uri, artifacts = mlflow_store
-    first = MlflowTracker(uri, artifact_location=artifacts)
+    first = MlflowClientTracker(uri, artifact_location=artifacts)
     first.start(RunSpec(project="resume", name="r", params={"lr": 0.1}))
     first.log(_records(10))
     first.finish("preempted")
     assert first.run_id is not None
-    second = MlflowTracker(uri)
+    second = MlflowClientTracker(uri)
     second.start(
         RunSpec(project="resume", name="r", run_id=first.run_id, params={"lr": 0.2, "extra": 1})
     )

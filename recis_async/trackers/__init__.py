@@ -1,6 +1,7 @@
 """Experiment trackers behind one small blocking protocol, fed off the step by a service.
 
-``JsonlTracker`` is the embedded default; ``MlflowTracker`` and ``TensorBoardTracker`` need
+``JsonlTracker`` is the embedded default; ``MlflowTracker`` (its client in a child process;
+``MlflowClientTracker`` in this one) and ``TensorBoardTracker`` need
 the ``mlflow`` / ``tensorboard`` extras and import them only when built.
 """
 
@@ -14,7 +15,7 @@ from .service import TrackerError, TrackerService
 from .subprocess import SubprocessTracker
 
 if TYPE_CHECKING:
-    from .mlflow import MlflowTracker
+    from .mlflow import MlflowClientTracker, MlflowTracker
     from .tensorboard import TensorBoardTracker
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "StepRecord",
     "JsonlTracker",
     "MlflowTracker",
+    "MlflowClientTracker",
     "TensorBoardTracker",
     "SubprocessTracker",
     "TrackerService",
@@ -36,10 +38,10 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # The optional backends live in their own modules so importing this package never
     # pulls in mlflow or tensorboard.
-    if name == "MlflowTracker":
-        from .mlflow import MlflowTracker
+    if name in ("MlflowTracker", "MlflowClientTracker"):
+        from . import mlflow
 
-        return MlflowTracker
+        return getattr(mlflow, name)
     if name == "TensorBoardTracker":
         from .tensorboard import TensorBoardTracker
 

@@ -186,13 +186,12 @@ class SubprocessTracker:
             code = None if proc is None else proc.exitcode
             hint = (
                 " (a program whose main module is not import-safe must guard its main code "
-                "with `if __name__ == \"__main__\":`)"
+                'with `if __name__ == "__main__":`)'
                 if call.op == "start"
                 else ""
             )
             raise RuntimeError(
-                f"{self!r}: the tracker process is gone during {call.op} (exit code {code})"
-                + hint
+                f"{self!r}: the tracker process is gone during {call.op} (exit code {code})" + hint
             ) from exc
         if not reply.ok:
             raise RuntimeError(f"{self!r}: {call.op} failed in the tracker process: {reply.error}")
