@@ -119,3 +119,55 @@ def test_constructor_validates_the_declaration() -> None:
         ColumnBuffer(["a"], ["bigint", "double"])
     with pytest.raises(ValueError, match="field 'a': unknown ODPS type 'long'"):
         ColumnBuffer(["a"], ["long"])
+
+
+NUMERIC = [
+    "bigint",
+    "int",
+    "double",
+    "float",
+    "boolean",
+    "array<bigint>",
+    "array<double>",
+    "array<float>",
+]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.arange(5, dtype=np.int64),
+        np.arange(5, dtype=np.int32),
+        np.arange(5, dtype=np.uint8),
+        np.linspace(-2, 2, 5),
+        np.linspace(-2, 2, 5).astype(np.float32),
+        np.array([1e300, -1e300, np.nan, np.inf, 0.1]),
+        np.array([True, False, True, True, False]),
+        np.arange(15, dtype=np.int64).reshape(5, 3),
+        np.linspace(0, 1, 10).reshape(5, 2),
+        np.linspace(0, 1, 10).astype(np.float32).reshape(5, 2),
+        np.arange(10, dtype=np.int32).reshape(5, 2),
+    ],
+    ids=lambda v: f"{v.dtype}{list(v.shape)}",
+)
+def test_the_per_step_fast_path_stores_what_the_full_conversion_stores(value: np.ndarray) -> None:
+    from recis_async.schema import convert, parse_type
+
+    value.setflags(write=False)
+    for type_name in NUMERIC:
+        fast = ColumnBuffer(["x"], [type_name])._columns_fast({"x": value})
+        try:
+            full = convert("x", parse_type(type_name), value)
+        except ValueError:
+            assert fast is None, f"{type_name}: the fast path took what convert refuses"
+            continue
+        if fast is None:
+            continue  # left to convert: fine
+        ((column,), rows) = fast
+        assert rows == full.rows, type_name
+        assert column.values.dtype == full.values.dtype, type_name
+        np.testing.assert_array_equal(column.values, full.values)
+        assert len(column.offsets) == len(full.offsets), type_name
+        for got, want in zip(column.offsets, full.offsets, strict=True):
+            np.testing.assert_array_equal(got, want)
+        assert not column.values.flags.writeable, type_name
