@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from .schema import (
+    _OFFSET_MAX,
     Column,
     OdpsType,
     arrow_schema,
@@ -30,8 +31,6 @@ from .schema import (
 )
 
 __all__ = ["Batch", "ColumnBuffer"]
-
-_OFFSET_MAX = np.iinfo(np.int32).max
 
 
 class Batch(msgspec.Struct, frozen=True, kw_only=True):

@@ -315,7 +315,7 @@ class _CheckpointWriter:
 
     async def wait_idle(self) -> None:
         """Return once nothing is queued, written or allocated; raise if the writer failed."""
-        await self._idle.wait()
+        await self.idle()
         if self.failure is not None:
             raise RuntimeError(f"checkpoint writer failed: {self.failure}") from self.failure
 
