@@ -2,10 +2,11 @@
 
 :class:`ColumnBuffer` checks a step's columns against the declared ``fields``/``types``
 before keeping anything of it, so a bad step fails at the ``publish`` that carried it and
-leaves the buffer exactly as it was.  Accepted steps are kept as per-step :class:`Column`
-chunks (one copy of the caller's data, no concatenation) and their size is counted exactly
-in bytes.  :meth:`ColumnBuffer.seal` hands them over as a :class:`Batch`: frozen, with
-read-only arrays, numbered by ``seq`` -- the unit a writer delivers, retries and spills.
+leaves the buffer exactly as it was.  Accepted steps are kept as per-step chunks (at most
+one copy of the caller's data, no concatenation; see :data:`~recis_async.schema.Chunk`)
+and their size is counted exactly in bytes.  :meth:`ColumnBuffer.seal` hands them over as
+a :class:`Batch`: frozen, with read-only arrays, numbered by ``seq`` -- the unit a writer
+delivers, retries and spills.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pyarrow as pa
 
 from .schema import (
     _OFFSET_MAX,
-    Column,
+    Chunk,
     OdpsType,
     arrow_schema,
     convert,
@@ -36,8 +37,9 @@ __all__ = ["Batch", "ColumnBuffer"]
 class Batch(msgspec.Struct, frozen=True, kw_only=True):
     """An immutable run of trace rows: what a sink writes in one atomic unit.
 
-    ``columns[i]`` holds the chunks of ``fields[i]`` in row order; every field has ``rows``
-    rows in total.  ``nbytes`` is the exact size of all arrays held.
+    ``columns[i]`` holds the chunks of ``fields[i]`` in row order (see
+    :data:`~recis_async.schema.Chunk`); every field has ``rows`` rows in total.  ``nbytes``
+    is the exact size of all arrays held.
     """
 
     seq: int
@@ -45,14 +47,15 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True):
     nbytes: int
     fields: tuple[str, ...]
     types: tuple[OdpsType, ...]
-    columns: tuple[tuple[Column, ...], ...]
+    columns: tuple[tuple[Chunk, ...], ...]
 
     @property
     def schema(self) -> pa.Schema:
         return arrow_schema(self.fields, self.types)
 
     def to_arrow(self) -> pa.Table:
-        """The rows as an Arrow table (one record batch per buffered step, no data copy)."""
+        """The rows as an Arrow table (one record batch per buffered step); the memory is
+        shared, except where a raw chunk is cast to its field's stored type."""
         arrays = [
             pa.chunked_array([to_arrow(c, t) for c in chunks], type=t.arrow_type)
             for chunks, t in zip(self.columns, self.types, strict=True)
@@ -85,18 +88,17 @@ class ColumnBuffer:
     def __init__(self, fields: Sequence[str], types: Sequence[str]) -> None:
         self.fields, self.types = parse_schema(fields, types)
         self._index = {name: i for i, name in enumerate(self.fields)}
-        self._chunks: list[list[Column]] = [[] for _ in self.fields]
+        self._chunks: list[list[Chunk]] = [[] for _ in self.fields]
         self._rows = 0
         self._nbytes = 0
         self._steps = 0
         self._first_at: float | None = None
         self._next_seq = 0
-        # per field: (name, the numpy dtype it is stored as or None, whether array<...>)
+        # per field: (name, the numpy dtype it is stored as or None, the ndim of a raw chunk)
         self._plan = tuple(
-            (f, fast_dtype(t), t.element is not None)
+            (f, fast_dtype(t), 1 if t.element is None else 2)
             for f, t in zip(self.fields, self.types, strict=True)
         )
-        self._offset_cache: dict[tuple[int, int], np.ndarray] = {}
 
     @property
     def rows(self) -> int:
@@ -122,14 +124,15 @@ class ColumnBuffer:
             return 0.0
         return (time.monotonic() if now is None else now) - self._first_at
 
-    def validate(self, trace: Mapping[str, object]) -> tuple[tuple[Column, ...], int]:
-        """Convert a step's ``trace`` into one column per declared field, in order.
+    def validate(self, trace: Mapping[str, object]) -> tuple[tuple[Chunk, ...], int]:
+        """Check a step's ``trace`` and return one chunk per declared field, in order, and the
+        number of rows.
 
         Raises ``ValueError`` naming the field, what was expected and what arrived when a
         declared field is missing, an undeclared one is present, a value cannot be
         converted to its type, or the fields disagree on the number of rows.
         """
-        fast = self._columns_fast(trace)
+        fast = self._fast(trace)
         if fast is not None:
             return fast
         names = set(trace)
@@ -156,68 +159,46 @@ class ColumnBuffer:
             )
         return columns, rows
 
-    def _columns_fast(self, trace: Mapping[str, object]) -> tuple[tuple[Column, ...], int] | None:
-        """The common step in one flat pass (it runs on every step, right after the model's
-        compute, when little of Python is in cache): every declared field a numpy array of
-        a numeric type (1-D, or 2-D for ``array<...>``), all with one row count.  Arrays of
-        the stored dtype are kept (copied only if the caller could still change them);
-        other numbers are cast to floating point types.  Anything else -- and every error
-        -- goes the full way through :func:`~recis_async.schema.convert`."""
+    def _fast(self, trace: Mapping[str, object]) -> tuple[tuple[Chunk, ...], int] | None:
+        """The common step, checked in one flat pass and kept as raw arrays (see
+        :data:`~recis_async.schema.Chunk`): every declared field a numpy array of its stored
+        dtype, or of a number type cast to a floating point one, 1-D (2-D for
+        ``array<...>``), all with one row count.  The arrays are copied only if the caller
+        could still change them; casting and laying out happen in the writer.  It runs on
+        every step right after the model's compute, when little of Python is in cache, so
+        it touches as little as it can.  Anything else -- and every error -- goes the full
+        way through :func:`~recis_async.schema.convert`."""
         if len(trace) != len(self.fields):
             return None
-        columns = []
+        arrays = []
         rows = -1
-        for field, dtype, nested in self._plan:
+        for field, dtype, ndim in self._plan:
             value = trace.get(field)
-            if type(value) is not np.ndarray or dtype is None:
+            if type(value) is not np.ndarray or dtype is None or value.ndim != ndim:
                 return None
-            if value.dtype != dtype:
-                if dtype.kind != "f" or value.dtype.kind not in "fiu":
-                    return None  # integer narrowing, bools...: checked by convert
-                value = value.astype(dtype)
-                value.flags.writeable = False
-            else:
-                value = freeze(value)
-            if nested:
-                if value.ndim != 2 or value.size > _OFFSET_MAX:
-                    return None
-                n, width = value.shape
-                column = Column(value.reshape(-1), (self._offsets(n, width),))
-            else:
-                if value.ndim != 1:
-                    return None
-                n = len(value)
-                column = Column(value)
+            if ndim == 2 and value.size > _OFFSET_MAX:
+                return None  # too many elements for int32 offsets: convert says so
+            if value.dtype != dtype and (dtype.kind != "f" or value.dtype.kind not in "fiu"):
+                return None  # integer narrowing, bools...: checked by convert
+            n = len(value)
             if n != rows:
                 if rows >= 0:
                     return None
                 rows = n
-            columns.append(column)
-        return tuple(columns), rows
-
-    def _offsets(self, rows: int, width: int) -> np.ndarray:
-        """Offsets ``0, width, ..., rows * width``: read-only, made once per shape."""
-        key = (rows, width)
-        offsets = self._offset_cache.get(key)
-        if offsets is None:
-            if len(self._offset_cache) >= 64:  # many batch sizes: start over
-                self._offset_cache.clear()
-            offsets = (np.arange(rows + 1, dtype=np.int64) * width).astype(np.int32)
-            offsets.flags.writeable = False
-            self._offset_cache[key] = offsets
-        return offsets
+            arrays.append(freeze(value))
+        return tuple(arrays), rows
 
     def append(self, trace: Mapping[str, object]) -> int:
         """Validate and keep a step's trace; all or nothing.  Returns the rows added."""
         if not trace:
             return 0
-        columns, rows = self.validate(trace)
+        chunks, rows = self.validate(trace)
         if rows == 0:
             return 0
         nbytes = 0
-        for chunks, column in zip(self._chunks, columns, strict=True):
-            chunks.append(column)
-            nbytes += column.nbytes
+        for held, chunk in zip(self._chunks, chunks, strict=True):
+            held.append(chunk)
+            nbytes += chunk.nbytes
         self._rows += rows
         self._nbytes += nbytes
         self._steps += 1

@@ -98,8 +98,13 @@ def add_to_trace(name: str, value: Any) -> None:
         _check_name("add_to_trace", name)
     # one copy into memory the trace owns; the hot path is kept short on purpose (it runs
     # every step, right after the model's compute, when Python's code is out of cache)
-    if isinstance(value, torch.Tensor):
-        array = value.detach().numpy(force=True).copy()
+    if type(value) is torch.Tensor:
+        try:  # a CPU tensor without grad, conjugate or negative bits: the cheap way
+            array = value.numpy().copy()
+        except (RuntimeError, TypeError):
+            array = _tensor_copy(name, value)
+    elif isinstance(value, torch.Tensor):
+        array = _tensor_copy(name, value)
     elif isinstance(value, np.ndarray):
         array = value.copy()
     elif isinstance(value, list):
@@ -119,6 +124,17 @@ def add_to_trace(name: str, value: Any) -> None:
         )
     array.flags.writeable = False  # ours alone: hooks may keep it without another copy
     collector.trace[name] = array
+
+
+def _tensor_copy(name: str, value: torch.Tensor) -> np.ndarray:
+    """A numpy copy of any tensor: detached, on the CPU, conjugation and negation resolved."""
+    try:
+        return value.detach().numpy(force=True).copy()
+    except TypeError:  # no numpy dtype, e.g. bfloat16
+        raise ValueError(
+            f"add_to_trace({name!r}): expected a tensor of a numpy-compatible dtype, "
+            f"got {value.dtype} (convert it first, e.g. .float())"
+        ) from None
 
 
 def add_to_ml_tracker(name: str, value: Any) -> None:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import datetime as _dt
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 
 import numpy as np
 import pyarrow as pa
@@ -46,6 +46,7 @@ import pyarrow as pa
 __all__ = [
     "OdpsType",
     "Column",
+    "Chunk",
     "parse_type",
     "parse_schema",
     "convert",
@@ -152,6 +153,13 @@ class Column:
     def nbytes(self) -> int:
         """Exact bytes held: leaf values plus every offsets array."""
         return int(self.values.nbytes) + sum(int(o.nbytes) for o in self.offsets)
+
+
+#: One step's rows of one field as a buffer holds them: a converted :class:`Column`, or a raw
+#: array the buffer's per-step fast path accepted -- read-only, owning its memory, of a number
+#: type that casts to the field's stored one, 1-D (2-D ``(rows, n)`` for ``array<...>``).  A
+#: raw chunk is cast and laid out by :func:`to_arrow`, in the writer, off the training step.
+Chunk: TypeAlias = "Column | np.ndarray"
 
 
 # ---------------------------------------------------------------------------------------
@@ -466,6 +474,16 @@ def _fast(type_: OdpsType, value: np.ndarray) -> Column | None:
     return None
 
 
+def _from_raw(value: np.ndarray, type_: OdpsType) -> Column:
+    """The column of a raw chunk: cast to the stored dtype (as :func:`convert` casts
+    numbers to floating point types), flattened, with regular offsets for ``array<...>``."""
+    values = value.astype(_FAST_DTYPES[(type_.element or type_).name], copy=False)
+    if type_.element is None:
+        return Column(values)
+    rows, width = value.shape
+    return Column(values.reshape(-1), (_regular_offsets(rows, width),))
+
+
 def convert(field: str, type_: OdpsType, value: object) -> Column:
     """Convert one step's value for ``field`` into an owned, read-only :class:`Column`.
 
@@ -506,8 +524,9 @@ def _leaf_to_arrow(
     return pa.array(col_values, type=type_.arrow_type)
 
 
-def to_arrow(column: Column, type_: OdpsType) -> pa.Array:
-    """The Arrow array of a column, sharing its memory where the layouts agree."""
+def to_arrow(chunk: Chunk, type_: OdpsType) -> pa.Array:
+    """The Arrow array of a chunk, sharing its memory where the layouts agree."""
+    column = chunk if isinstance(chunk, Column) else _from_raw(chunk, type_)
     if type_.element is not None:
         outer, *inner = column.offsets
         values = _leaf_to_arrow(column.values, tuple(inner), type_.element)

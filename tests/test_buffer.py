@@ -150,24 +150,46 @@ NUMERIC = [
     ],
     ids=lambda v: f"{v.dtype}{list(v.shape)}",
 )
-def test_the_per_step_fast_path_stores_what_the_full_conversion_stores(value: np.ndarray) -> None:
-    from recis_async.schema import convert, parse_type
+def test_the_per_step_fast_path_writes_what_the_full_conversion_writes(value: np.ndarray) -> None:
+    from recis_async.schema import convert, parse_type, to_arrow
 
     value.setflags(write=False)
     for type_name in NUMERIC:
-        fast = ColumnBuffer(["x"], [type_name])._columns_fast({"x": value})
+        type_ = parse_type(type_name)
+        fast = ColumnBuffer(["x"], [type_name])._fast({"x": value})
         try:
-            full = convert("x", parse_type(type_name), value)
+            full = convert("x", type_, value)
         except ValueError:
             assert fast is None, f"{type_name}: the fast path took what convert refuses"
             continue
         if fast is None:
             continue  # left to convert: fine
-        ((column,), rows) = fast
+        ((chunk,), rows) = fast
         assert rows == full.rows, type_name
-        assert column.values.dtype == full.values.dtype, type_name
-        np.testing.assert_array_equal(column.values, full.values)
-        assert len(column.offsets) == len(full.offsets), type_name
-        for got, want in zip(column.offsets, full.offsets, strict=True):
-            np.testing.assert_array_equal(got, want)
-        assert not column.values.flags.writeable, type_name
+        if value.flags.owndata and value.flags.c_contiguous:
+            assert chunk is value, f"{type_name}: a read-only owned array is kept, not copied"
+        assert not chunk.flags.writeable, type_name
+        got, want = to_arrow(chunk, type_), to_arrow(full, type_)
+        assert got.type == want.type == type_.arrow_type, type_name
+        if type_.element is not None:
+            np.testing.assert_array_equal(got.offsets.to_numpy(), want.offsets.to_numpy())
+            got, want = got.flatten(), want.flatten()
+        # NaN-aware, unlike Arrow's equals
+        np.testing.assert_array_equal(
+            got.to_numpy(zero_copy_only=False), want.to_numpy(zero_copy_only=False)
+        )
+
+
+def test_the_fast_path_copies_arrays_the_caller_can_still_change() -> None:
+    buf = ColumnBuffer(["user_id", "emb"], ["bigint", "array<float>"])
+    emb = np.ones((2, 3), dtype=np.float32)  # writable: must be copied
+    ids = np.arange(2)[::-1]  # a view: must be copied
+    assert buf._fast({"user_id": ids, "emb": emb}) is not None
+    buf.append({"user_id": ids, "emb": emb})
+    emb[...] = 7.0
+    ids.base[...] = 9
+    batch = buf.seal()
+    assert batch is not None
+    table = batch.to_arrow()
+    assert table.column("emb").to_pylist() == [[1.0] * 3, [1.0] * 3]
+    assert table.column("user_id").to_pylist() == [1, 0]

@@ -129,3 +129,28 @@ async def test_trace_values_are_private_read_only_copies_and_ragged_lists_work()
     ids = seen[0].trace["ids"]
     assert not ids.flags.writeable and not np.shares_memory(ids, source)
     assert [row.tolist() for row in seen[0].trace["tags"]] == [[1, 2], [3], []]
+
+
+async def test_trace_tensors_of_every_kind_are_copied_as_their_values() -> None:
+    seen: list[AfterStep] = []
+    weights = torch.nn.Parameter(torch.tensor([1.0, 2.0]))  # requires grad
+    cplx = torch.tensor([1 + 2j, 3 - 1j])
+    plain = torch.tensor([5, 6])
+    async with HookBus() as bus:
+        bus.subscribe(AfterStep, seen.append)
+        add_to_trace("w", weights)
+        add_to_trace("conj", cplx.conj())  # conjugate bit set: resolved
+        negative = cplx.conj().imag
+        assert negative.is_neg()
+        add_to_trace("neg", negative)  # negative bit set: resolved
+        add_to_trace("plain", plain)
+        plain.add_(10)  # later in-place changes do not reach the trace
+        with pytest.raises(ValueError, match=r"add_to_trace\('bf'\): .*got torch.bfloat16"):
+            add_to_trace("bf", torch.ones(2, dtype=torch.bfloat16))
+        await bus.publish(AfterStep())
+    trace = seen[0].trace
+    assert trace["w"].tolist() == [1.0, 2.0]
+    assert trace["conj"].tolist() == [1 - 2j, 3 + 1j]
+    assert trace["neg"].tolist() == [-2.0, 1.0]
+    assert trace["plain"].tolist() == [5, 6]
+    assert "bf" not in trace

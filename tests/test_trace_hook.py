@@ -25,7 +25,7 @@ from recis_async.spill import read_spill, replay_spill
 
 FIELDS = ["id", "emb"]
 TYPES = ["bigint", "array<float>"]
-ROWS = 32  # per step; one step is 32 * 8 + 32 * 8 * 4 + 33 * 4 = 1412 bytes
+ROWS = 32  # per step; one step holds 32 * 8 + 32 * 8 * 4 = 1280 bytes (raw arrays, no offsets)
 
 
 @pytest.fixture
@@ -79,9 +79,9 @@ async def test_clean_end_writes_every_row_once_in_size_bounded_files(tmp_path: P
         await run_steps(bus, range(40))
     assert parquet_ids(tmp_path) == list(range(40 * ROWS))
     files = list((tmp_path / "t").glob("part-0-*.parquet"))
-    assert len(files) == 14  # 3 steps (4236 bytes) per sealed batch, plus the rest at close
+    assert len(files) == 10  # 4 steps (5120 bytes) per sealed batch
     stats = hook.writer.stats()
-    assert stats["batches"] == 14 and stats["rows"] == 40 * ROWS and stats["spilled"] == 0
+    assert stats["batches"] == 10 and stats["rows"] == 40 * ROWS and stats["spilled"] == 0
     assert stats["queued_batches"] == 0 and stats["buffered_rows"] == 0
 
 
@@ -313,16 +313,16 @@ async def test_a_permanent_error_spills_raises_at_close_and_replays_exactly_once
             await run_steps(bus, range(20))
     message = str(info.value)
     assert (
-        "1 batch(es) (96 rows) were not delivered (permanent error: 1; 6 delivered) and were spilled to"
+        "1 batch(es) (128 rows) were not delivered (permanent error: 1; 4 delivered) and were spilled to"
         in message
     )
     assert "NoPermission" in message
     (path,) = (tmp_path / "spill").glob("*.arrows")
     assert str(path) in message
-    assert read_spill(path).rows == 3 * ROWS
-    assert len(odps_ids(server)) == 17 * ROWS
+    assert read_spill(path).rows == 4 * ROWS
+    assert len(odps_ids(server)) == 16 * ROWS
     report = replay_spill(path, OdpsSink(sink_config(server, "t", "dt=20261122")))
-    assert report.rows == 3 * ROWS
+    assert report.rows == 4 * ROWS
     assert odps_ids(server) == list(range(20 * ROWS))
 
 
@@ -409,7 +409,7 @@ async def test_the_secret_appears_in_no_output(
     with pytest.raises(HookError) as info:
         async with HookBus() as bus:
             bus.add_hook(hook)
-            await run_steps(bus, range(12))
+            await run_steps(bus, range(16))  # 4 batches
             texts.append(repr(bus.stats()))
     texts += ["".join(traceback.format_exception(info.value)), repr(info.value)]
     spills = list((tmp_path / "spill").glob("*"))
