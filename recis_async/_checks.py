@@ -8,7 +8,7 @@ import os
 import tempfile
 from typing import Any
 
-__all__ = ["exactly_one", "positive_int", "positive_number", "writable_dir"]
+__all__ = ["creatable_dir", "exactly_one", "positive_int", "positive_number", "writable_dir"]
 
 
 def positive_int(owner: str, field: str, value: Any) -> int:
@@ -46,17 +46,46 @@ def writable_dir(owner: str, field: str, value: Any) -> str:
     ``os.access`` is not enough: it says yes to root on a read-only directory and knows
     nothing of full or read-only file systems.
     """
-    if not isinstance(value, str | os.PathLike) or not os.fspath(value):
-        raise ValueError(f"{owner}({field}=...): expected a directory path, got {value!r}")
-    path = os.path.abspath(os.fspath(value))
+    path = _dir_path(owner, field, value)
     try:
         os.makedirs(path, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=path)
-        os.close(fd)
-        os.unlink(probe)
+        _probe(path)
     except OSError as exc:
-        raise ValueError(
-            f"{owner}({field}=...): expected a writable directory, got {value!r} "
-            f"({type(exc).__name__}: {exc.strerror or exc})"
-        ) from exc
+        raise _unwritable(owner, field, value, exc) from exc
     return path
+
+
+def creatable_dir(owner: str, field: str, value: Any) -> str:
+    """Like :func:`writable_dir`, but create nothing: prove writable the directory itself if
+    it exists, else the nearest existing one above it, which the writer creates it in when
+    it first writes.  For outputs only rank 0 writes: other ranks leave no empty folders."""
+    path = _dir_path(owner, field, value)
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    try:
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(20, "Not a directory", existing)
+        _probe(existing)
+    except OSError as exc:
+        raise _unwritable(owner, field, value, exc) from exc
+    return path
+
+
+def _dir_path(owner: str, field: str, value: Any) -> str:
+    if not isinstance(value, str | os.PathLike) or not os.fspath(value):
+        raise ValueError(f"{owner}({field}=...): expected a directory path, got {value!r}")
+    return os.path.abspath(os.fspath(value))
+
+
+def _probe(directory: str) -> None:
+    fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=directory)
+    os.close(fd)
+    os.unlink(probe)
+
+
+def _unwritable(owner: str, field: str, value: Any, exc: OSError) -> ValueError:
+    return ValueError(
+        f"{owner}({field}=...): expected a writable directory, got {value!r} "
+        f"({type(exc).__name__}: {exc.strerror or exc})"
+    )

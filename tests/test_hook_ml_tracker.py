@@ -304,13 +304,17 @@ async def test_backpressure_bounds_the_buffer(tmp_path: Path) -> None:
 async def test_rank_zero_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    tracker = JsonlTracker(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    tracker = JsonlTracker(tmp_path / "runs")
     hook = MLTrackerHook("p", "r1", {}, tracker=tracker)
+    default = MLTrackerHook("p", "r1", {})  # JsonlTracker("ml_tracker")
     async with HookBus() as bus:
         bus.add_hook(hook)
+        bus.add_hook(default)
         await _train(bus, 3)
         assert bus.hooks == ()
     assert hook.service is None and tracker.run_dir is None
+    assert list(tmp_path.iterdir()) == [], "a skipped rank leaves no folders behind"
 
 
 def test_constructor_validation(tmp_path: Path) -> None:

@@ -112,6 +112,15 @@ def test_jsonl_resume_appends(tmp_path: Path) -> None:
     assert info["status"] == "failed"
 
 
+def test_jsonl_root_is_checked_at_once_but_created_by_the_first_run(tmp_path: Path) -> None:
+    root = tmp_path / "a" / "b"
+    tracker = JsonlTracker(root)
+    assert not (tmp_path / "a").exists()
+    tracker.start(RunSpec(project="p", name="n", params={}))
+    tracker.finish("ok")
+    assert tracker.run_dir is not None and tracker.run_dir.parent.parent == root
+
+
 def test_jsonl_unwritable_root(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")

@@ -22,7 +22,7 @@ from typing import IO, Any
 
 import msgspec
 
-from .._checks import writable_dir
+from .._checks import creatable_dir
 from ..events import EndStatus
 from .base import RunSpec, StepRecord, encode_value
 
@@ -58,7 +58,7 @@ class JsonlTracker:
     """Write runs as JSON files under ``root``; needs nothing beyond msgspec."""
 
     def __init__(self, root: str | os.PathLike[str] = "ml_tracker") -> None:
-        root_path = Path(writable_dir("JsonlTracker", "root", root))
+        root_path = Path(creatable_dir("JsonlTracker", "root", root))
         self.root = root_path
         self.run_dir: Path | None = None
         self._info: RunInfo | None = None

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .._checks import writable_dir
+from .._checks import creatable_dir
 from ..events import EndStatus
 from .base import RunSpec, StepRecord, params_for_text
 
@@ -59,7 +59,7 @@ class TensorBoardTracker:
 
     def __init__(self, log_dir: str | os.PathLike[str], *, subdir: bool = True) -> None:
         self._writer_cls = _import_writer()
-        path = Path(writable_dir("TensorBoardTracker", "log_dir", log_dir))
+        path = Path(creatable_dir("TensorBoardTracker", "log_dir", log_dir))
         self.log_dir = path
         self.subdir = subdir
         self.run_dir: Path | None = None
