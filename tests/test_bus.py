@@ -1,11 +1,14 @@
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 import pytest
 
 from recis_async import Hook, HookBus, HookError, Priority
@@ -453,6 +456,29 @@ async def test_background_service_gets_loop_time_while_publishing_without_awaits
             while len(progressed) < 3:
                 await bus.publish(AfterStep())
     assert len(progressed) >= 3
+
+
+async def test_a_woken_service_starts_its_thread_work_within_one_long_step() -> None:
+    """With steps longer than the yield interval the loop runs once per step: that one yield
+    must take a woken service as far as its worker thread, not one stage a step."""
+    started = threading.Event()
+
+    class Handoff(_Recorder):
+        wake = anyio.Event()
+
+        async def run(self) -> None:
+            await self.wake.wait()
+            await anyio.to_thread.run_sync(started.set)
+            await self._stop.wait()
+
+    service = Handoff("handoff", [])
+    async with HookBus() as bus:
+        bus.start_service(service)
+        await anyio.sleep(0.01)  # run() is waiting
+        time.sleep(0.15)  # a long step: no loop pass
+        service.wake.set()
+        await bus.publish(AfterStep())  # the step's only yield
+        assert started.wait(5), "the worker thread was not reached within the step's yield"
 
 
 async def test_body_error_inside_publish_is_hook_error_unwrapped() -> None:
