@@ -26,7 +26,6 @@ from typing import Any, TypeVar, cast
 import anyio
 import msgspec
 from anyio.abc import TaskGroup, TaskStatus
-from anyio.lowlevel import checkpoint
 
 from . import dist
 from .collect import StepCollector, _current
@@ -34,7 +33,7 @@ from .errors import HookError
 from .events import LIFECYCLE, AfterStep, BeforeStep, End, Error, Event, OutOfData, method_name
 from .hook import RESERVED_NAMES, Hook, OnError
 from .priority import Priority, priority_value
-from .service import Service
+from .service import Service, yield_to_services
 from .subscription import Route, Subscription
 
 __all__ = ["HookBus", "Subscription"]
@@ -49,11 +48,8 @@ _ON_ERROR = ("raise", "log", "disable")
 # right after a model's compute costs 30-200 us (cold caches, a syscall), so yielding at
 # every ~3 ms step cost ~1 % of training; every 100 ms is ample for batch hand-overs (a
 # hook that hands one over yields itself), thread completions and periodic flushes
-# (benchmarks/bench_trace.py).  Each time, the loop gets a few passes: a woken service needs
-# about three (its wake-up, then anyio's two checkpoints in ``to_thread.run_sync``) to start
-# its thread work, and with one pass per yield a long step delayed that by as many steps.
+# (benchmarks/bench_trace.py).
 _YIELD_EVERY_S = 0.1
-_YIELD_PASSES = 3
 _CLOSE_GRACE_S = 5.0  # a service that ignores its deadline is abandoned this much later
 _KIND_PLAIN, _KIND_BEFORE_STEP, _KIND_AFTER_STEP, _KIND_OUT_OF_DATA, _KIND_END = range(5)
 
@@ -536,8 +532,7 @@ class HookBus:
             t = now
         if self._services and t - self._last_yield > _YIELD_EVERY_S:
             self._last_yield = t
-            for _ in range(_YIELD_PASSES):  # let background services use the loop
-                await checkpoint()
+            await yield_to_services()
 
     async def _dispatch(self, event: Event, errors: list[HookError]) -> None:
         """Deliver to every subscriber, collecting ``on_error="raise"`` failures in ``errors``

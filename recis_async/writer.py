@@ -30,11 +30,11 @@ from time import perf_counter
 from typing import Any, Protocol
 
 import anyio
-from anyio.lowlevel import checkpoint
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .buffer import Batch
 from .schema import OdpsType
+from .service import yield_to_services
 from .sinks.base import Attempt, Sink, SinkError
 from .spill import SpillEntry, write_spill
 
@@ -185,7 +185,7 @@ class TraceWriter:
             pass
         else:
             # let a worker start on it now: the bus itself yields only every ~100 ms
-            await checkpoint()
+            await yield_to_services()
             return
         t = perf_counter()
         try:

@@ -4,6 +4,7 @@ import os
 import resource
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,24 @@ def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
             assert_same_state(a[key], b[key])
         else:
             assert a[key] == b[key], key
+
+
+async def test_the_write_starts_on_the_snapshot_step(tmp_path: Path) -> None:
+    """Even on a step longer than the bus's yield interval, the background write is under way
+    when the snapshot step's publish returns: nothing else runs the loop here."""
+    model, opt, sched = parts()
+    saver = CheckpointSaverHook(tmp_path, save_steps=1, save_end=False, model=model, optimizer=opt)
+    async with HookBus() as bus:
+        bus.add_hook(saver)
+        await anyio.sleep(0.01)  # the writer service is waiting
+        time.sleep(0.15)  # a long step
+        await bus.publish(AfterStep(global_step=0, samples=6))
+        path = Path(checkpoint_module.checkpoint_path(str(tmp_path), 1))
+        for _ in range(500):  # blocking: the loop gets no pass while we wait
+            if path.exists():
+                break
+            time.sleep(0.01)
+        assert path.exists(), "the write had not started by the end of the snapshot step"
 
 
 async def test_restore_into_a_fresh_model_gives_equal_weights_and_hook_state(

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -281,6 +282,29 @@ async def test_the_sink_opens_when_the_bus_starts(server: OdpsServer, tmp_path: 
         assert server.counts("put_block") == 0
         await run_steps(bus, range(4))
     assert odps_ids(server) == list(range(4 * ROWS))
+
+
+@pytest.mark.anyio
+async def test_a_sealed_batch_is_being_written_when_its_step_ends(tmp_path: Path) -> None:
+    """The hand-over itself takes a sealed batch as far as the writer's thread: the bus
+    yields at most every 100 ms, and here it has just done so (a long step's BeforeStep),
+    so the AfterStep publish that seals the batch does not; nothing else runs the loop."""
+    hook = parquet_hook(tmp_path, size_threshold=1)  # every step seals a batch
+    async with HookBus() as bus:
+        bus.add_hook(hook)
+        with anyio.fail_after(10):
+            while not hook.writer.stats()["sink_open"]:
+                await anyio.sleep(0.01)
+        time.sleep(0.15)
+        await bus.publish(BeforeStep(global_step=0))  # the bus's yield
+        add_to_trace("id", np.arange(ROWS))
+        add_to_trace("emb", np.zeros((ROWS, 8), np.float32))
+        await bus.publish(AfterStep(global_step=0, samples=ROWS))  # no bus yield
+        for _ in range(500):  # blocking: the loop gets no pass while we wait
+            if list((tmp_path / "t").glob("part-0-*.parquet")):
+                break
+            time.sleep(0.01)
+        assert parquet_ids(tmp_path) == list(range(ROWS)), "the write had not started"
 
 
 @pytest.mark.anyio

@@ -39,6 +39,7 @@ from .._checks import positive_int, positive_number, writable_dir
 from ..events import AfterLoadCheckpoint, AfterStep, BeforeSaveCheckpoint, End
 from ..hook import Hook
 from ..priority import Priority
+from ..service import yield_to_services
 
 if TYPE_CHECKING:
     from ..bus import HookBus
@@ -693,6 +694,7 @@ class CheckpointSaverHook(Hook):
         path = checkpoint_path(self.output_dir, step)
         await bus.publish(BeforeSaveCheckpoint(global_step=step, path=path))
         self._take(bus, step, path)
+        await yield_to_services()  # the write starts now, not at the bus's next yield
 
     async def _barrier(self, what: str) -> None:
         await anyio.to_thread.run_sync(
