@@ -20,7 +20,10 @@ ratio compares steps/s measured in the same process:
 
 For each: steps/s without and with tracing (medians over rounds) and their ratio (the median
 of each traced round over the untraced round before it; the sink is opened before a traced
-round is timed, as a real job opens it once at start), traced rows/s (including the
+round is timed, as a real job opens it once at start; a round is long enough to seal about
+four batches at the default threshold, so the writer's work on the other core -- and, for
+ODPS, the loopback service's -- overlaps the timed steps as in a long job, instead of
+mostly falling into the close of a round that sealed one), traced rows/s (including the
 close), seconds spent in close (draining), peak RSS growth of the process (plus its writer
 processes; not the ODPS service process; after pyarrow and pyodps were initialised) against
 the bound ``(worker_num + 2) * size_threshold + 64 MiB``, and the time the training thread
@@ -28,8 +31,8 @@ itself spends per step handing the trace over (``add_to_trace`` and ``TraceHook.
 without backpressure waits; the queue ``put`` for the baselines).  Targets (issue 3): ratio
 >= 0.98, throughput >= 1,000,000 rows/s, RSS growth within the bound.
 
-    python benchmarks/bench_trace.py                       # under 2 minutes
-    python benchmarks/bench_trace.py --steps 1500 --rounds 6 --only parquet,odps,discard
+    python benchmarks/bench_trace.py                       # about 5 minutes
+    python benchmarks/bench_trace.py --rounds 6 --only parquet,odps,discard
     python benchmarks/bench_trace.py --only throughput --worker-num 2 --throughput-steps 2400
 """
 
@@ -477,7 +480,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=400, help="training steps per round")
+    parser.add_argument("--steps", type=int, default=1500, help="training steps per round")
     parser.add_argument("--rounds", type=int, default=4, help="alternating untraced/traced rounds")
     parser.add_argument("--worker-num", type=int, default=1)
     parser.add_argument("--size-threshold", type=int, default=50 * 1024 * 1024)
