@@ -93,6 +93,26 @@ class Seen(Hook):
         self.events.append(event)
 
 
+class Vandal(Hook):
+    """Runs after the saver in the same publish: records the model's state, then zeroes the
+    weights (and ``others``) in place, which a snapshot taken on the step must not see."""
+
+    priority = Priority.LOWEST
+
+    def __init__(
+        self, model: torch.nn.Module, expected: dict[str, torch.Tensor], *others: torch.Tensor
+    ) -> None:
+        self.model, self.expected, self.others = model, expected, others
+
+    def after_step(self, event: AfterStep) -> None:
+        self.expected.update({k: v.clone() for k, v in self.model.state_dict().items()})
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.zero_()
+        for t in self.others:
+            t.zero_()
+
+
 def parts() -> tuple[Net, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     torch.manual_seed(0)
     model = Net()
@@ -204,19 +224,9 @@ async def test_the_snapshot_is_taken_on_the_step(tmp_path: Path) -> None:
     checkpoint must still hold the weights of the save point (the snapshot was a copy)."""
     model, opt, sched = parts()
     expected: dict[str, torch.Tensor] = {}
-
-    class Vandal(Hook):
-        priority = Priority.LOWEST
-
-        def after_step(self, event: AfterStep) -> None:
-            expected.update({k: v.clone() for k, v in model.state_dict().items()})
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.zero_()
-
     async with HookBus() as bus:
         bus.add_hook(CheckpointSaverHook(tmp_path, save_steps=1, save_end=False, model=model))
-        bus.add_hook(Vandal())
+        bus.add_hook(Vandal(model, expected))
         await train_steps(bus, model, opt, sched, data(1))
     saved = torch.load(tmp_path / "checkpoint-1.pt", weights_only=True)
     assert saved["global_step"] == 1 and saved["optimizer"] is None
@@ -247,20 +257,10 @@ async def test_the_snapshot_copy_is_split_over_threads_and_done_on_the_step(
         def state_dict(self) -> dict[str, Any]:
             return {"view": view, "same": view}  # one tensor under two names
 
-    class Vandal(Hook):
-        priority = Priority.LOWEST
-
-        def after_step(self, event: AfterStep) -> None:
-            expected.update({k: v.clone() for k, v in model.state_dict().items()})
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.zero_()
-            view.zero_()
-
     async with HookBus() as bus:
         bus.add_hook(CheckpointSaverHook(tmp_path, save_steps=1, save_end=False, model=model))
         bus.add_hook(Holder())
-        bus.add_hook(Vandal())
+        bus.add_hook(Vandal(model, expected, view))
         monkeypatch.setattr(torch.Tensor, "copy_", recording_copy)
         await train_steps(bus, model, opt, sched, data(1))
         monkeypatch.undo()

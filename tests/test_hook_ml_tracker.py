@@ -207,12 +207,9 @@ async def test_tracker_failure_raise_surfaces_hook_error(tmp_path: Path) -> None
     assert run["status"] == "failed"
 
 
-@pytest.mark.parametrize("mode", ["log", "disable"])
-async def test_tracker_failure_log_or_disable(
-    tmp_path: Path, mode: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    tracker = FlakyJsonl(tmp_path, fail_calls=[1])
-    hook = MLTrackerHook(
+def _failing_first_flush(tmp_path: Path, tracker: Any, mode: str) -> MLTrackerHook:
+    """A hook flushing every step to ``tracker`` with ``on_error=mode``, spilling under tmp."""
+    return MLTrackerHook(
         "p",
         mode,
         {},
@@ -221,13 +218,26 @@ async def test_tracker_failure_log_or_disable(
         on_error=mode,  # type: ignore[arg-type]
         spill_dir=tmp_path / "spill",
     )
+
+
+async def _until_first_error(bus: HookBus, hook: MLTrackerHook) -> None:
+    """Add ``hook``, publish step 0 and wait until its service has seen the first failure."""
+    bus.add_hook(hook)
+    await bus.publish(AfterStep(global_step=0, tracked={"loss": 0.0}))
+    assert hook.service is not None
+    with anyio.fail_after(5):
+        while hook.service.stats()["errors"] == 0:
+            await anyio.sleep(0.001)
+
+
+@pytest.mark.parametrize("mode", ["log", "disable"])
+async def test_tracker_failure_log_or_disable(
+    tmp_path: Path, mode: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    tracker = FlakyJsonl(tmp_path, fail_calls=[1])
+    hook = _failing_first_flush(tmp_path, tracker, mode)
     async with HookBus() as bus:
-        bus.add_hook(hook)
-        await bus.publish(AfterStep(global_step=0, tracked={"loss": 0.0}))
-        assert hook.service is not None
-        with anyio.fail_after(5):
-            while hook.service.stats()["errors"] == 0:
-                await anyio.sleep(0.005)
+        await _until_first_error(bus, hook)
         for step in range(1, 50):
             await bus.publish(AfterStep(global_step=step, tracked={"loss": float(step)}))
     stats = hook.service.stats()
@@ -370,22 +380,9 @@ async def test_disable_takes_effect_before_the_failed_batch_is_spilled(
 
     monkeypatch.setattr(TrackerService, "_spill", spill)
     tracker = FlakyJsonl(tmp_path, fail_calls=[1])
-    hook = MLTrackerHook(
-        "p",
-        "d",
-        {},
-        tracker=tracker,
-        flush_interval=0,
-        on_error="disable",
-        spill_dir=tmp_path / "spill",
-    )
+    hook = _failing_first_flush(tmp_path, tracker, "disable")
     async with HookBus() as bus:
-        bus.add_hook(hook)
-        await bus.publish(AfterStep(global_step=0, tracked={"loss": 0.0}))
-        assert hook.service is not None
-        with anyio.fail_after(5):
-            while hook.service.stats()["errors"] == 0:
-                await anyio.sleep(0.001)
+        await _until_first_error(bus, hook)
         for step in range(1, 11):  # inside the 0.1 s spill
             await bus.publish(AfterStep(global_step=step, tracked={"loss": float(step)}))
     assert hook.service.spill_path is not None
