@@ -1,10 +1,11 @@
 """Cost of tracing a real training loop, and raw trace throughput into Parquet.
 
-A CTR-style torch model (two embedding tables of 32 -> 64 features -> MLP 256-256-1, batch 512,
-``torch.set_num_threads(1)``) traces 4 columns per step: ``user_id bigint``, ``item_id
-bigint``, ``score double`` and ``emb array<float>`` (the 64 input features).  Each
-configuration runs in its own process, alternating rounds without tracing and with it, so the
-ratio compares steps/s measured in the same process:
+A CTR-style torch model (two embedding tables of 32 -> 64 features -> MLP 256-256-1 by
+default, ``--hidden`` for other widths; batch 512, ``torch.set_num_threads(1)``) traces 4
+columns per step: ``user_id bigint``, ``item_id bigint``, ``score double`` and ``emb
+array<float>`` (the 64 input features).  Each configuration runs in its own process,
+alternating rounds without tracing and with it, so the ratio compares steps/s measured in the
+same process:
 
 * ``parquet``           TraceHook(ParquetSink)
 * ``odps``              TraceToOdpsHook against the loopback ODPS service (tests/odps_server.py,
@@ -17,19 +18,32 @@ ratio compares steps/s measured in the same process:
                         counting the close that drains everything)
 * ``discard``           diagnostic: TraceHook with a sink that writes nothing, i.e. the
                         pipeline's own cost; a config's further slowdown is its sink's CPU
+* ``floor``             diagnostic: in one process, 100-step slices alternate between no
+                        tracing; a bare ``tensor.numpy().copy()`` of the 4 columns (the least
+                        a copy-on-trace costs in Python); the same copies held until
+                        ``size_threshold`` bytes and then dropped (plus what holding them
+                        costs); the copies written into arrays reused in a ring of
+                        ``size_threshold`` bytes (the least any buffering costs);
+                        ``add_to_trace`` into TraceHook with the discard sink (the pipeline);
+                        and no tracing while another process spins on the other core (what
+                        any concurrent work, such as a writer's, costs the step on this
+                        machine).  Prints each mode's cost per step against the slice of no
+                        tracing just before it (medians).
 
-For each: steps/s without and with tracing (medians over rounds) and their ratio (the median
-of each traced round over the untraced round before it; the sink is opened before a traced
-round is timed, as a real job opens it once at start; a round is long enough to seal about
-four batches at the default threshold, so the writer's work on the other core -- and, for
-ODPS, the loopback service's -- overlaps the timed steps as in a long job, instead of
-mostly falling into the close of a round that sealed one), traced rows/s (including the
-close), seconds spent in close (draining), peak RSS growth of the process (plus its writer
-processes; not the ODPS service process; after pyarrow and pyodps were initialised) against
-the bound ``(worker_num + 2) * size_threshold + 64 MiB``, and the time the training thread
-itself spends per step handing the trace over (``add_to_trace`` and ``TraceHook.after_step``
-without backpressure waits; the queue ``put`` for the baselines).  Targets (issue 3): ratio
->= 0.98, throughput >= 1,000,000 rows/s, RSS growth within the bound.
+For each: steps/s without and with tracing (medians over rounds); their ratio, the median of
+each traced round over the untraced round before it; the cost tracing adds to a step in
+microseconds, the median of the same pairs' step-time differences (the ratio at another step
+time T is about T / (T + cost)); traced rows/s (including the close); seconds spent in close
+(draining); peak RSS growth of the process (plus its writer processes; not the ODPS service
+process; after pyarrow and pyodps were initialised) against the bound ``(worker_num + 2) *
+size_threshold + 64 MiB``; and the time the training thread itself spends per step handing the
+trace over (``add_to_trace`` and ``TraceHook.after_step`` without backpressure waits; the queue
+``put`` for the baselines).  The sink is opened before a traced round is timed, as a real job
+opens it once at start.  A round is long enough to seal about four batches at the default
+threshold, so the writer's work on the other core -- and, for ODPS, the loopback service's --
+overlaps the timed steps as in a long job, instead of mostly falling into the close of a round
+that sealed one.  Targets (issue 3): ratio >= 0.98, throughput >= 1,000,000 rows/s, RSS growth
+within the bound.
 
     python benchmarks/bench_trace.py                       # about 5 minutes
     python benchmarks/bench_trace.py --rounds 6 --only parquet,odps,discard
@@ -59,7 +73,16 @@ BATCH = 512
 EMB = 64
 FIELDS = ["user_id", "item_id", "score", "emb"]
 TYPES = ["bigint", "bigint", "double", "array<float>"]
-CONFIGS = ("parquet", "odps", "baseline-parquet", "baseline-odps", "throughput", "discard")
+CONFIGS = (
+    "parquet",
+    "odps",
+    "baseline-parquet",
+    "baseline-odps",
+    "throughput",
+    "discard",
+    "floor",
+)
+FLOOR_SLICE = 100  # steps per slice of the floor diagnostic
 PROJECT = "bench"
 
 
@@ -179,7 +202,7 @@ def make_sink(kind: str, out: Path, port: int | None, table: str) -> Any:
 
 
 class Model:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, hidden: tuple[int, ...] = (256, 256)) -> None:
         import torch
         from torch import nn
 
@@ -188,9 +211,12 @@ class Model:
         self.torch = torch
         self.user = nn.Embedding(20_000, 32, sparse=True)
         self.item = nn.Embedding(20_000, 32, sparse=True)
-        self.mlp = nn.Sequential(
-            nn.Linear(EMB, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1)
-        )
+        layers: list[nn.Module] = []
+        width = EMB
+        for h in hidden:
+            layers += [nn.Linear(width, h), nn.ReLU()]
+            width = h
+        self.mlp = nn.Sequential(*layers, nn.Linear(width, 1))
         params = [*self.user.parameters(), *self.item.parameters(), *self.mlp.parameters()]
         self.opt = torch.optim.SGD(params, lr=0.05)
         self.loss = nn.BCEWithLogitsLoss()
@@ -261,7 +287,7 @@ async def run_config(args: argparse.Namespace) -> dict[str, Any]:
     if "odps" in config:
         server, port = start_odps_server()
     sink_kind = "odps" if "odps" in config else "discard" if config == "discard" else "parquet"
-    model = Model()
+    model = Model(hidden=args.hidden)
     for i in range(30):  # warm up torch
         model.step(i)
     warm_up_libraries(out)
@@ -374,6 +400,11 @@ async def run_config(args: argparse.Namespace) -> dict[str, Any]:
         # each traced round against the untraced round just before it: robust to the
         # machine's speed drifting over the run
         "ratio": statistics.median(t / n for t, n in zip(traced_rates, none_rates, strict=True)),
+        # what tracing adds to a step, in the same pairs: the ratio at another step time T
+        # is about T / (T + cost)
+        "cost_us": statistics.median(
+            1e6 / t - 1e6 / n for t, n in zip(traced_rates, none_rates, strict=True)
+        ),
         "rows_s": statistics.median(totals),
         "close_s": statistics.median(closes),
         "rss_growth_mib": peak_growth / 2**20,
@@ -473,6 +504,85 @@ async def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+async def run_floor(args: argparse.Namespace) -> dict[str, Any]:
+    import anyio
+    import numpy as np
+
+    from recis_async import HookBus, add_to_trace
+    from recis_async.events import AfterStep, BeforeStep
+    from recis_async.hooks import TraceHook
+
+    model = Model(hidden=args.hidden)
+    for i in range(30):  # warm up torch
+        model.step(i)
+    out = Path(tempfile.mkdtemp(prefix="bench-trace-floor-"))
+    hook = TraceHook(
+        DiscardSink(),
+        FIELDS,
+        TYPES,
+        worker_num=args.worker_num,
+        size_threshold=args.size_threshold,
+        spill_dir=out / "spill",
+    )
+    modes = ("none", "copy", "copy held", "copy reused", "pipeline", "busy core")
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    held: list[Any] = []
+    held_bytes = 0
+    # "copy reused": the copies go into arrays written before (pages mapped, no allocation),
+    # cycling through size_threshold bytes of them: the least any buffering design costs
+    sample = [t.numpy() for t in model.step(0)]
+    per_step = sum(a.nbytes for a in sample)
+    ring = [[a.copy() for a in sample] for _ in range(-(-args.size_threshold // per_step))]
+    slot = 0
+    step = 0
+    async with HookBus(handle_signals=False) as bus:
+        bus.add_hook(hook)
+        while not hook.writer.stats()["sink_open"]:
+            await anyio.sleep(0.005)
+        for _ in range(args.rounds * 10):
+            for mode in modes:
+                spinner = None
+                if mode == "busy core":
+                    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                    await anyio.sleep(0.2)  # running, on the other core
+                start = time.perf_counter()
+                for _ in range(FLOOR_SLICE):
+                    await bus.publish(BeforeStep(global_step=step))
+                    columns = model.step(step)
+                    if mode == "copy":
+                        copies = [t.numpy().copy() for t in columns]
+                        del copies
+                    elif mode == "copy held":
+                        for t in columns:
+                            held.append(t.numpy().copy())
+                            held_bytes += held[-1].nbytes
+                        if held_bytes >= args.size_threshold:
+                            held, held_bytes = [], 0
+                    elif mode == "copy reused":
+                        for dst, t in zip(ring[slot], columns, strict=True):
+                            np.copyto(dst, t.numpy())
+                        slot = (slot + 1) % len(ring)
+                    elif mode == "pipeline":
+                        for name, t in zip(FIELDS, columns, strict=True):
+                            add_to_trace(name, t)
+                    await bus.publish(AfterStep(global_step=step, samples=BATCH))
+                    step += 1
+                times[mode].append((time.perf_counter() - start) / FLOOR_SLICE * 1e6)
+                if spinner is not None:
+                    spinner.kill()
+                    spinner.wait()
+    shutil.rmtree(out, ignore_errors=True)
+    none = times["none"]
+    return {
+        "config": "floor",
+        "step_us": statistics.median(none),
+        "cost_us": {
+            m: statistics.median(t - n for t, n in zip(times[m], none, strict=True))
+            for m in modes[1:]
+        },
+    }
+
+
 # ----------------------------------------------------------------------------- driver
 
 
@@ -482,11 +592,21 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=1500, help="training steps per round")
     parser.add_argument("--rounds", type=int, default=4, help="alternating untraced/traced rounds")
+    parser.add_argument(
+        "--hidden",
+        type=lambda v: tuple(int(w) for w in v.split(",")),
+        default=(256, 256),
+        help="MLP hidden widths (default 256,256: a ~3 ms step here)",
+    )
     parser.add_argument("--worker-num", type=int, default=1)
     parser.add_argument("--size-threshold", type=int, default=50 * 1024 * 1024)
     parser.add_argument("--throughput-steps", type=int, default=600)
     parser.add_argument("--throughput-rows", type=int, default=4096, help="rows per step")
-    parser.add_argument("--only", default=",".join(CONFIGS), help="comma-separated configs")
+    parser.add_argument(
+        "--only",
+        default=",".join(c for c in CONFIGS if c != "floor"),
+        help=f"comma-separated configs, from {', '.join(CONFIGS)} (default: all but floor)",
+    )
     parser.add_argument("--backend", default="asyncio", choices=("asyncio", "trio"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -494,7 +614,8 @@ def main() -> None:
     import anyio
 
     if args.child:
-        runner = run_throughput if args.child == "throughput" else run_config
+        runners = {"throughput": run_throughput, "floor": run_floor}
+        runner = runners.get(args.child, run_config)
         result = anyio.run(runner, args, backend=args.backend)
         print(json.dumps(result))
         return
@@ -512,6 +633,8 @@ def main() -> None:
             str(args.steps),
             "--rounds",
             str(args.rounds),
+            "--hidden",
+            ",".join(map(str, args.hidden)),
             "--worker-num",
             str(args.worker_num),
             "--size-threshold",
@@ -536,14 +659,17 @@ def main() -> None:
     bound = (args.worker_num + 2) * args.size_threshold / 2**20 + 64
     print(
         f"batch {BATCH}, worker_num {args.worker_num}, size_threshold "
-        f"{args.size_threshold / 2**20:.0f} MiB, {args.steps} steps x {args.rounds} rounds, "
+        f"{args.size_threshold / 2**20:.0f} MiB, MLP {'-'.join(map(str, args.hidden))}, "
+        f"{args.steps} steps x {args.rounds} rounds, "
         f"backend {args.backend}; RSS bound {bound:.0f} MiB"
     )
     print(
         f"{'config':<18}{'no-trace st/s':>14}{'traced st/s':>13}{'ratio':>8}{'rows/s':>12}"
-        f"{'close s':>9}{'RSS +MiB':>10}{'in-band us/step':>17}"
+        f"{'close s':>9}{'RSS +MiB':>10}{'in-band us/step':>17}{'cost us/step':>14}"
     )
     for r in results:
+        if r["config"] == "floor":
+            continue
         if r["config"] == "throughput":
             print(
                 f"{'throughput':<18}{'-':>14}{'-':>13}{'-':>8}{r['rows_s']:>12,.0f}"
@@ -553,8 +679,16 @@ def main() -> None:
             print(
                 f"{r['config']:<18}{r['none_steps_s']:>14.1f}{r['traced_steps_s']:>13.1f}"
                 f"{r['ratio']:>8.3f}{r['rows_s']:>12,.0f}{r['close_s']:>9.2f}"
-                f"{r['rss_growth_mib']:>10.0f}{r['trace_us_per_step']:>17.0f}"
+                f"{r['rss_growth_mib']:>10.0f}{r['trace_us_per_step']:>17.0f}{r['cost_us']:>14.0f}"
             )
+    for r in results:
+        if r["config"] == "floor":
+            print(
+                f"\nfloor (in one process; a step without tracing takes {r['step_us']:.0f} us): "
+                "cost per step against the slice without tracing before it"
+            )
+            for mode, cost in r["cost_us"].items():
+                print(f"  {mode:<12}{cost:>8.0f} us  ({cost / r['step_us']:.1%})")
 
 
 if __name__ == "__main__":
