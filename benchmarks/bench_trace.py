@@ -663,13 +663,13 @@ def main() -> None:
         f"{args.steps} steps x {args.rounds} rounds, "
         f"backend {args.backend}; RSS bound {bound:.0f} MiB"
     )
-    print(
-        f"{'config':<18}{'no-trace st/s':>14}{'traced st/s':>13}{'ratio':>8}{'rows/s':>12}"
-        f"{'close s':>9}{'RSS +MiB':>10}{'in-band us/step':>17}{'cost us/step':>14}"
-    )
-    for r in results:
-        if r["config"] == "floor":
-            continue
+    table = [r for r in results if r["config"] != "floor"]
+    if table:
+        print(
+            f"{'config':<18}{'no-trace st/s':>14}{'traced st/s':>13}{'ratio':>8}{'rows/s':>12}"
+            f"{'close s':>9}{'RSS +MiB':>10}{'in-band us/step':>17}{'cost us/step':>14}"
+        )
+    for r in table:
         if r["config"] == "throughput":
             print(
                 f"{'throughput':<18}{'-':>14}{'-':>13}{'-':>8}{r['rows_s']:>12,.0f}"
