@@ -460,28 +460,24 @@ def freeze(value: np.ndarray) -> np.ndarray:
 def _fast(type_: OdpsType, value: np.ndarray) -> Column | None:
     """The common case without checks: a numeric array already of the stored dtype."""
     element = type_.element
+    if value.dtype != _FAST_DTYPES.get((element or type_).name):
+        return None
     if element is None:
-        if value.ndim == 1 and value.dtype == _FAST_DTYPES.get(type_.name):
-            return Column(freeze(value))
-    elif (
-        value.ndim == 2
-        and value.dtype == _FAST_DTYPES.get(element.name)
-        and value.size <= _OFFSET_MAX
-    ):
-        rows, width = value.shape
-        flat = freeze(value).reshape(-1)
-        return Column(flat, (_readonly(_regular_offsets(rows, width)),))
+        if value.ndim == 1:
+            return _from_raw(freeze(value), type_)
+    elif value.ndim == 2 and value.size <= _OFFSET_MAX:
+        return _from_raw(freeze(value), type_)
     return None
 
 
 def _from_raw(value: np.ndarray, type_: OdpsType) -> Column:
     """The column of a raw chunk: cast to the stored dtype (as :func:`convert` casts
     numbers to floating point types), flattened, with regular offsets for ``array<...>``."""
-    values = value.astype(_FAST_DTYPES[(type_.element or type_).name], copy=False)
+    values = _readonly(value.astype(_FAST_DTYPES[(type_.element or type_).name], copy=False))
     if type_.element is None:
         return Column(values)
     rows, width = value.shape
-    return Column(values.reshape(-1), (_regular_offsets(rows, width),))
+    return Column(values.reshape(-1), (_readonly(_regular_offsets(rows, width)),))
 
 
 def convert(field: str, type_: OdpsType, value: object) -> Column:
