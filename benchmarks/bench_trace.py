@@ -198,6 +198,29 @@ def make_sink(kind: str, out: Path, port: int | None, table: str) -> Any:
     return OdpsSink(odps_config(port, table))
 
 
+def trace_hook(sink: Any, args: argparse.Namespace, out: Path) -> Any:
+    """The hook every traced config measures, with the run's worker_num and threshold."""
+    from recis_async.hooks import TraceHook
+
+    return TraceHook(
+        sink,
+        FIELDS,
+        TYPES,
+        worker_num=args.worker_num,
+        size_threshold=args.size_threshold,
+        spill_dir=out / "spill",
+    )
+
+
+async def wait_sink_open(hook: Any) -> None:
+    """The writer opens its sink when the bus starts; a real job does that once, so it is
+    setup, not a cost of the steps measured."""
+    import anyio
+
+    while not hook.writer.stats()["sink_open"]:
+        await anyio.sleep(0.005)
+
+
 # ----------------------------------------------------------------------------- the model
 
 
@@ -274,11 +297,9 @@ def baseline_writer(
 
 
 async def run_config(args: argparse.Namespace) -> dict[str, Any]:
-    import anyio
 
     from recis_async import HookBus, add_to_trace
     from recis_async.events import AfterStep, BeforeStep
-    from recis_async.hooks import TraceHook
 
     config = args.child
     out = Path(tempfile.mkdtemp(prefix="bench-trace-"))
@@ -355,21 +376,11 @@ async def run_config(args: argparse.Namespace) -> dict[str, Any]:
                     p.join()
                 close = time.perf_counter() - t_end
             else:
-                hook = TraceHook(
-                    make_sink(sink_kind, out, port, table),
-                    FIELDS,
-                    TYPES,
-                    worker_num=args.worker_num,
-                    size_threshold=args.size_threshold,
-                    spill_dir=out / "spill",
-                )
+                hook = trace_hook(make_sink(sink_kind, out, port, table), args, out)
                 base = sampler.mark()
                 async with HookBus(handle_signals=False) as bus:
                     bus.add_hook(hook)
-                    # the writer opens its sink when the bus starts; a real job does that
-                    # once, so it is setup, not a cost of the steps measured here
-                    while not hook.writer.stats()["sink_open"]:
-                        await anyio.sleep(0.005)
+                    await wait_sink_open(hook)
                     elapsed = await loop(bus, args.steps, "hook")
                     t_end = time.perf_counter()
                     handler = bus.stats()["subscribers"]["TraceHook.after_step"]["total_s"]
@@ -448,7 +459,6 @@ async def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
 
     from recis_async import HookBus, add_to_trace
     from recis_async.events import AfterStep, BeforeStep
-    from recis_async.hooks import TraceHook
     from recis_async.sinks import ParquetSink
 
     rows = args.throughput_rows
@@ -468,14 +478,7 @@ async def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     sampler = RssSampler()
     baseline_rss = sampler.current()
     with sampler:
-        hook = TraceHook(
-            ParquetSink(out, "tp", rank=0),
-            FIELDS,
-            TYPES,
-            worker_num=args.worker_num,
-            size_threshold=args.size_threshold,
-            spill_dir=out / "spill",
-        )
+        hook = trace_hook(ParquetSink(out, "tp", rank=0), args, out)
         start = time.perf_counter()
         async with HookBus(handle_signals=False) as bus:
             bus.add_hook(hook)
@@ -510,20 +513,12 @@ async def run_floor(args: argparse.Namespace) -> dict[str, Any]:
 
     from recis_async import HookBus, add_to_trace
     from recis_async.events import AfterStep, BeforeStep
-    from recis_async.hooks import TraceHook
 
     model = Model(hidden=args.hidden)
     for i in range(30):  # warm up torch
         model.step(i)
     out = Path(tempfile.mkdtemp(prefix="bench-trace-floor-"))
-    hook = TraceHook(
-        DiscardSink(),
-        FIELDS,
-        TYPES,
-        worker_num=args.worker_num,
-        size_threshold=args.size_threshold,
-        spill_dir=out / "spill",
-    )
+    hook = trace_hook(DiscardSink(), args, out)
     modes = ("none", "copy", "copy held", "copy reused", "pipeline", "busy core")
     times: dict[str, list[float]] = {m: [] for m in modes}
     held: list[Any] = []
@@ -537,8 +532,7 @@ async def run_floor(args: argparse.Namespace) -> dict[str, Any]:
     step = 0
     async with HookBus(handle_signals=False) as bus:
         bus.add_hook(hook)
-        while not hook.writer.stats()["sink_open"]:
-            await anyio.sleep(0.005)
+        await wait_sink_open(hook)
         for _ in range(args.rounds * 10):
             for mode in modes:
                 spinner = None
