@@ -388,3 +388,26 @@ async def test_disable_takes_effect_before_the_failed_batch_is_spilled(
     assert hook.service.spill_path is not None
     assert [r.step for r in read_records(hook.service.spill_path)] == [0]
     assert hook.service.stats()["dropped"] == 10
+
+
+class SlowStartJsonl(JsonlTracker):
+    """A real JsonlTracker whose start takes a while (a tracker process, an import, a store)."""
+
+    def start(self, run: RunSpec) -> None:
+        threading.Event().wait(0.3)
+        super().start(run)
+
+
+async def test_start_returns_once_the_tracker_has_started(tmp_path: Path) -> None:
+    """The tracker's start (for MLflow: its process, import, store and run) happens before the
+    first step, not beside the first steps: ``Start`` waits for it."""
+    tracker = SlowStartJsonl(tmp_path)
+    hook = MLTrackerHook("p", "n", {"lr": 0.1}, tracker=tracker)
+    async with HookBus() as bus:
+        bus.add_hook(hook)
+        with anyio.fail_after(30):
+            await bus.publish(Start())
+        assert tracker.run_dir is not None and (tracker.run_dir / "params.json").exists()
+        await _train(bus, 3)
+    records, _, info = _jsonl_run(tracker)
+    assert [r.step for r in records] == [0, 1, 2] and info["status"] == "ok"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,6 +41,35 @@ def _run_dir(root: Path) -> Path:
     (project,) = list(root.iterdir())
     (run,) = list(project.iterdir())
     return run
+
+
+PROBE = """
+import sys
+from recis_async.trackers.jsonl import JsonlTracker
+
+class ImportRecordingTracker(JsonlTracker):
+    def start(self, run):
+        super().start(run)
+        main = getattr(sys.modules.get("__main__"), "__file__", None)
+        (self.root / "imports.json").write_text(repr({"torch": "torch" in sys.modules, "main": main}))
+"""
+
+
+def test_the_child_imports_neither_torch_nor_the_main_module(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The child's start costs its tracker's imports only: not torch (which the package's
+    training side needs) nor the program's main module (multiprocessing's spawn reruns it)."""
+    import torch  # noqa: F401  - in the parent, as in a training program
+
+    (tmp_path / "probe_tracker.py").write_text(PROBE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from probe_tracker import ImportRecordingTracker  # type: ignore[import-not-found]
+
+    tracker = SubprocessTracker(functools.partial(ImportRecordingTracker, tmp_path))
+    tracker.start(RunSpec(project="p", name="n"))
+    tracker.finish("ok")
+    assert (tmp_path / "imports.json").read_text() == repr({"torch": False, "main": None})
 
 
 def test_the_child_outlives_a_ctrl_c_of_the_process_group(tmp_path: Path) -> None:
@@ -96,8 +126,13 @@ def test_constructor_validation() -> None:
         SubprocessTracker(lambda: JsonlTracker())
     with pytest.raises(TypeError, match="expected a callable, got 3"):
         SubprocessTracker(3)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="start_method: expected one of"):
-        SubprocessTracker(JsonlTracker, start_method="teleport")
+    main_factory = type("Local", (JsonlTracker,), {"__module__": "__main__"})
+    sys.modules["__main__"].Local = main_factory  # type: ignore[attr-defined]
+    try:
+        with pytest.raises(ValueError, match="expected a callable importable from a module"):
+            SubprocessTracker(main_factory)
+    finally:
+        del sys.modules["__main__"].Local  # type: ignore[attr-defined]
     with pytest.raises(RuntimeError, match="log before start"):
         SubprocessTracker(JsonlTracker).log([])
 

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..buffer import ColumnBuffer
-from ..events import AfterStep
+from ..events import AfterStep, Start
 from ..hook import Hook
 from ..sinks.base import Sink
 from ..sinks.odps import OdpsSink
@@ -106,6 +106,12 @@ class TraceHook(Hook):
 
     def attach(self, bus: HookBus) -> None:
         bus.start_service(self._writer)
+
+    async def start(self, event: Start) -> None:
+        """Wait for the sink's open, begun when the bus started (imports, client, table and
+        partition checks): it then runs before the first step instead of beside the first
+        steps, taking their CPU.  A failed open was logged; the first batch retries it."""
+        await self._writer.wait_open()
 
     async def after_step(self, event: AfterStep) -> None:
         if not event.trace:
