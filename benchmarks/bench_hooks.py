@@ -462,27 +462,36 @@ def section_tracker_job(args: argparse.Namespace) -> bool:
     except ImportError:
         print("[tracker-job] mlflow is not installed (pip install recis_async[mlflow]); skipped")
         return True
-    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in JOB_CONFIGS}
+    here = Path(__file__).resolve().parent.parent
+    roots = {c: here for c in JOB_CONFIGS}
+    if args.compare:  # the tracker again with another checkout's code: before/after pairs
+        other = Path(args.compare).resolve()
+        roots[f"MLTrackerHook(MlflowTracker)@{other.name}"] = other
+    configs = list(roots)
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
     own: list[float] = []
     load = os.getloadavg()
     started = time.perf_counter()
     for r in range(args.rounds):
-        order = list(JOB_CONFIGS[r % 3 :] + JOB_CONFIGS[: r % 3])
-        for config in order:
+        order = configs[r % len(configs) :] + configs[: r % len(configs)]
+        for label in order:
+            config, code = label.split("@")[0], roots[label]
             root = Path(tempfile.mkdtemp(prefix="bench_hooks_job_"))
             cmd = [
-                sys.executable, os.path.abspath(__file__), "--job-child", config,
+                sys.executable, str(code / "benchmarks" / "bench_hooks.py"), "--job-child", config,
                 "--job-dir", str(root), "--job-steps", str(args.job_steps),
                 "--metrics", str(args.metrics or 8), "--width", str(args.width),
                 "--backend", args.backend,
             ]  # fmt: skip
             if args.batch:
                 cmd += ["--batch", str(args.batch)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            env = {**os.environ, "PYTHONPATH": str(code)}
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if proc.returncode != 0:
                 print(proc.stderr, file=sys.stderr)
-                raise SystemExit(f"[tracker-job] {config} failed")
-            runs[config].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+                raise SystemExit(f"[tracker-job] {label} failed")
+            runs[label].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            print(f"# round {r} {label}: {runs[label][-1]}", file=sys.stderr)
         root = Path(tempfile.mkdtemp(prefix="bench_hooks_own_"))
         own.append(mlflow_own_start(root))
     med = statistics.median
@@ -495,7 +504,7 @@ def section_tracker_job(args: argparse.Namespace) -> bool:
         f"start; {time.perf_counter() - started:.0f}s"
     )
     print(
-        f"{'variant':32} {'steps/s':>8} {'ratio':>7} {'range':>12} {'setup s':>8} {'close s':>8}"
+        f"{'variant':40} {'steps/s':>8} {'ratio':>7} {'range':>12} {'setup s':>8} {'close s':>8}"
         f" {'p50 ms':>7} {'max ms':>7}"
     )
     base = runs["no hooks"]
@@ -508,7 +517,7 @@ def section_tracker_job(args: argparse.Namespace) -> bool:
         each = [rate(x) / rate(b) for x, b in zip(rs, base, strict=True)]
         ratios[config] = med(each)
         print(
-            f"{config:32} {med(rate(x) for x in rs):8.1f} {med(each):6.3f}x "
+            f"{config:40} {med(rate(x) for x in rs):8.1f} {med(each):6.3f}x "
             f"{f'{min(each):.2f}-{max(each):.2f}':>12} {med(x['setup_s'] for x in rs):8.2f} "
             f"{med(x['close_s'] for x in rs):8.2f} {med(x['p50_ms'] for x in rs):7.2f} "
             f"{med(x['max_ms'] for x in rs):7.1f}"
@@ -560,6 +569,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
     parser.add_argument(
         "--job-steps", type=int, default=3000, help="[tracker-job] timed steps a round"
+    )
+    parser.add_argument(
+        "--compare",
+        metavar="DIR",
+        help="[tracker-job] also run MlflowTracker with the code of the checkout DIR",
     )
     parser.add_argument("--job-child", help=argparse.SUPPRESS)
     parser.add_argument("--job-dir", help=argparse.SUPPRESS)

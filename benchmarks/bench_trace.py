@@ -734,13 +734,15 @@ def job_rows(kind: str, out: Path, port: int | None, table: str) -> int:
 
 
 def run_job_process(
-    config: str, args: argparse.Namespace, port: int | None, out: Path, table: str
+    config: str, args: argparse.Namespace, port: int | None, out: Path, table: str, root: Path
 ) -> dict[str, Any]:
-    """Run one job in a fresh process; sample the PSS of its process tree meanwhile."""
+    """Run one job in a fresh process, with the code under ``root``; sample the PSS of its
+    process tree meanwhile."""
     import psutil
 
     cmd = [
-        sys.executable, __file__, "--job-child", config, "--job-table", table,
+        sys.executable, str(root / "benchmarks" / "bench_trace.py"), "--job-child", config,
+        "--job-table", table,
         "--job-out", str(out), "--job-steps", str(args.job_steps),
         "--hidden", ",".join(map(str, args.hidden)), "--backend", args.backend,
     ]  # fmt: skip
@@ -753,7 +755,7 @@ def run_job_process(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(root)},
     )
     peak = 0
     root = psutil.Process(proc.pid)
@@ -784,6 +786,14 @@ def job_main(args: argparse.Namespace) -> None:
             )
     if "untraced" not in configs:
         configs.insert(0, "untraced")
+    roots = {c: ROOT for c in configs}
+    if args.compare:
+        # every traced config again, with the code of another checkout: before/after pairs
+        # measured in the same run, under the same load
+        other = Path(args.compare).resolve()
+        for config in [c for c in configs if c != "untraced" and not c.startswith("baseline")]:
+            configs.append(f"{config}@{other.name}")
+            roots[configs[-1]] = other
     server = port = None
     if any("odps" in c for c in configs):
         proc = subprocess.Popen(
@@ -802,9 +812,10 @@ def job_main(args: argparse.Namespace) -> None:
         for rep in range(args.reps):
             # alternate: rotate the order every repetition
             order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
-            for config in order:
-                table = f"j_{config.replace('-', '_')}_{rep}"
-                result = run_job_process(config, args, port, out, table)
+            for label in order:
+                config = label.split("@")[0]
+                table = f"j_{label.replace('-', '_').replace('@', '_')}_{rep}"
+                result = run_job_process(config, args, port, out, table, roots[label])
                 if config != "untraced":
                     kind = "odps" if "odps" in config else "parquet"
                     rows = job_rows(kind, out, port, table)
@@ -812,10 +823,10 @@ def job_main(args: argparse.Namespace) -> None:
                         raise SystemExit(
                             f"{config}: {rows} rows read back, expected {args.job_steps * BATCH}"
                         )
-                runs[config].append(result)
+                runs[label].append(result)
                 steps_s = args.job_steps / (result["loop_s"] + result["close_s"])
                 print(
-                    f"# rep {rep} {config}: {steps_s:.1f} steps/s, "
+                    f"# rep {rep} {label}: {steps_s:.1f} steps/s, "
                     f"setup {result['setup_s']:.2f}s, close {result['close_s']:.2f}s",
                     file=sys.stderr,
                 )
@@ -831,7 +842,7 @@ def job_main(args: argparse.Namespace) -> None:
         + ("; pyodps/pyarrow.parquet imported before timing" if args.import_first else "")
     )
     print(
-        f"{'config':<18}{'ratio':>7}{' [range]':<14}{'w/ setup':>9}{'setup s':>8}{'close s':>8}"
+        f"{'config':<24}{'ratio':>7}{' [range]':<14}{'w/ setup':>9}{'setup s':>8}{'close s':>8}"
         f"{'first100':>9}{'p50 ms':>8}{'p99 ms':>8}{'max ms':>8}{'PSS +MB':>9}"
     )
     base = runs["untraced"]
@@ -851,7 +862,7 @@ def job_main(args: argparse.Namespace) -> None:
         p99 = med(s[int(len(s) * 0.99)] for s in steps)
         worst = med(s[-1] for s in steps)
         print(
-            f"{config:<18}{med(ratios):>7.3f}{f' [{min(ratios):.2f}-{max(ratios):.2f}]':<14}"
+            f"{config:<24}{med(ratios):>7.3f}{f' [{min(ratios):.2f}-{max(ratios):.2f}]':<14}"
             f"{med(with_setup):>9.3f}{med(r['setup_s'] for r in rs):>8.2f}"
             f"{med(r['close_s'] for r in rs):>8.2f}{med(first):>9.2f}{p50:>8.2f}{p99:>8.2f}"
             f"{worst:>8.1f}{med(r['pss_mb'] for r in rs) - base_pss:>9.0f}"
@@ -897,6 +908,12 @@ def main() -> None:
     for hidden in ("--job-child", "--job-table", "--job-out"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     parser.add_argument("--job-port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--compare",
+        metavar="DIR",
+        help="[--job] also run every traced config with the code of the checkout DIR "
+        "(labelled config@DIR's name): before/after in the same run",
+    )
     args = parser.parse_args()
 
     import anyio
