@@ -49,8 +49,10 @@ Printed per config (medians over repetitions, ranges in brackets): steps/s from 
 to the end of the close over the untraced run's of the same repetition; the same counting
 the set-up too; set-up and close seconds; the first 100 steps' time over the untraced run's;
 step p50 / p99 / max in ms; peak PSS of the job's processes (sampled every 50 ms from the
-driver, not the job) over the untraced run's.  Every row is read back and counted.
-``--import-first`` imports pyodps / pyarrow.parquet before the timing (the issue's harness).
+driver, not the job) over the untraced run's; the p50 of the model's own step (forward,
+backward, optimizer: what the writer's work on the other core and the GIL cost it).  Every
+row is read back and counted.  ``--import-first`` imports pyodps / pyarrow.parquet before the
+timing (the issue's harness).
 Targets (issue 16): ODPS >= 0.90 at 50 MiB and >= 0.85 at 8 MiB, Parquet >= 0.95, step p50
 <= 1.05x and the first 100 steps <= 1.1x untraced.
 
@@ -81,6 +83,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import shutil
@@ -639,6 +642,7 @@ async def run_job(args: argparse.Namespace) -> dict[str, Any]:
         import odps.tunnel  # noqa: F401
         import pyarrow.parquet  # noqa: F401
     marks = [0] * (args.job_steps + 1)
+    compute = [0] * args.job_steps  # the model's step alone, ns
     queue = procs = None
     hook: Any = None
     t_setup = time.perf_counter()
@@ -681,7 +685,9 @@ async def run_job(args: argparse.Namespace) -> dict[str, Any]:
         for i in range(args.job_steps):
             marks[i] = perf_ns()
             await bus.publish(BeforeStep(global_step=i))
+            t0 = perf_ns()
             users, items, scores, emb = model.step(i)
+            compute[i] = perf_ns() - t0
             if hook is not None:
                 add_to_trace("user_id", users)
                 add_to_trace("item_id", items)
@@ -713,6 +719,7 @@ async def run_job(args: argparse.Namespace) -> dict[str, Any]:
         "close_s": t_end - t_close,
         "first100_s": (marks[min(100, args.job_steps)] - marks[0]) / 1e9,
         "steps_ms": steps_ms,
+        "compute_ms": sorted(c / 1e6 for c in compute)[args.job_steps // 2],
     }
 
 
@@ -844,6 +851,7 @@ def job_main(args: argparse.Namespace) -> None:
     print(
         f"{'config':<24}{'ratio':>7}{' [range]':<14}{'w/ setup':>9}{'setup s':>8}{'close s':>8}"
         f"{'first100':>9}{'p50 ms':>8}{'p99 ms':>8}{'max ms':>8}{'PSS +MB':>9}"
+        f"{'model p50':>10}"
     )
     base = runs["untraced"]
 
@@ -866,6 +874,7 @@ def job_main(args: argparse.Namespace) -> None:
             f"{med(with_setup):>9.3f}{med(r['setup_s'] for r in rs):>8.2f}"
             f"{med(r['close_s'] for r in rs):>8.2f}{med(first):>9.2f}{p50:>8.2f}{p99:>8.2f}"
             f"{worst:>8.1f}{med(r['pss_mb'] for r in rs) - base_pss:>9.0f}"
+            f"{med(r.get('compute_ms', math.nan) for r in rs):>10.2f}"
         )
     print(f"untraced: {med(rate(b) for b in base):.1f} steps/s, peak PSS {base_pss:.0f} MB")
 
