@@ -72,6 +72,34 @@ def test_the_child_imports_neither_torch_nor_the_main_module(
     assert (tmp_path / "imports.json").read_text() == repr({"torch": False, "main": None})
 
 
+TEARDOWN_PROBE = """
+import atexit
+from recis_async.trackers.jsonl import JsonlTracker
+
+class TeardownTracker(JsonlTracker):
+    def start(self, run):
+        super().start(run)
+        atexit.register((self.root / "torn-down").write_text, "x")
+"""
+
+
+def test_the_child_exits_at_once_after_finish(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once ``finish`` is answered the run is stored; the child skips the interpreter's
+    teardown (seconds for mlflow and SQLAlchemy), which the parent's close would wait for."""
+    (tmp_path / "teardown_probe.py").write_text(TEARDOWN_PROBE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from teardown_probe import TeardownTracker  # type: ignore[import-not-found]
+
+    tracker = SubprocessTracker(functools.partial(TeardownTracker, tmp_path / "runs"))
+    tracker.start(RunSpec(project="p", name="n"))
+    tracker.log([StepRecord(0, time.time(), {"loss": 1.0})])
+    tracker.finish("ok")
+    assert not (tmp_path / "runs" / "torn-down").exists()
+    assert [r.step for r in read_records(_run_dir(tmp_path / "runs") / "metrics.jsonl")] == [0]
+
+
 def test_the_child_outlives_a_ctrl_c_of_the_process_group(tmp_path: Path) -> None:
     """SIGINT goes to every process of the terminal's group: the child must still take the
     parent's last records and finish the run while the parent drains."""

@@ -12,13 +12,16 @@ training process only encodes the batch and waits on the pipe with the GIL relea
 ``SubprocessTracker(functools.partial(MlflowClientTracker, "sqlite:///runs.db"))``.  The
 child is a fresh interpreter (``sys.executable``, the parent's ``sys.path``) that imports only
 what the factory needs -- not the program's main module, as multiprocessing's ``spawn`` would,
-and not torch -- so it starts in about the time its tracker's own imports take.
+and not torch -- so it starts in about the time its tracker's own imports take.  Once
+``finish`` is answered the child exits at once, without the interpreter's teardown (no
+``atexit`` handlers): a tracker's ``finish`` must leave its run stored.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import pickle
 import pickletools
 import signal
@@ -90,7 +93,12 @@ def _child_main(fd: int) -> None:
         factory_pickle = conn.recv_bytes()
     except EOFError:
         return
-    _serve(conn, factory_pickle)
+    if _serve(conn, factory_pickle):
+        # finished and answered: the run's data is stored, so skip the interpreter's
+        # teardown of mlflow, SQLAlchemy & co. (seconds the parent's close would wait for)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _main_references(data: bytes) -> bool:
@@ -107,8 +115,9 @@ def _main_references(data: bytes) -> bool:
     return False
 
 
-def _serve(conn: Connection, factory_pickle: bytes) -> None:
-    """Child process: build the tracker, answer calls until ``finish`` or the pipe closes.
+def _serve(conn: Connection, factory_pickle: bytes) -> bool:
+    """Child process: build the tracker, answer calls until ``finish`` (returns True once it
+    was answered) or the pipe closes (False).
 
     Ctrl-C reaches the whole process group; the child ignores it, so the parent's bus can
     still deliver what is buffered and finish the run while it shuts down."""
@@ -121,7 +130,7 @@ def _serve(conn: Connection, factory_pickle: bytes) -> None:
             try:
                 call = decoder.decode(conn.recv_bytes())
             except EOFError:
-                return
+                return False
             try:
                 if call.op == "start":
                     tracker = pickle.loads(factory_pickle)()
@@ -138,7 +147,7 @@ def _serve(conn: Connection, factory_pickle: bytes) -> None:
                 reply = _Reply(True, run_id=run_id if isinstance(run_id, str) else None)
                 conn.send_bytes(encoder.encode(reply))
             if call.op == "finish":
-                return
+                return True
     finally:
         conn.close()
 
