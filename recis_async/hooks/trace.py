@@ -9,7 +9,8 @@ immutable batch and handed to a :class:`~recis_async.writer.TraceWriter` whose `
 workers write it through the sink in worker threads.  Memory stays bounded: ``after_step``
 waits only while ``worker_num + 1`` sealed batches are pending.  Leaving the bus seals the
 rest and drains everything within the bus's ``flush_timeout``; what cannot be delivered is
-spilled to a replayable file and reported as an error.
+spilled to a replayable file and reported as an error.  The sink is opened when the bus starts
+and ``Start`` waits for that open, so its cost lands before the first step.
 """
 
 from __future__ import annotations
