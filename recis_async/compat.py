@@ -91,10 +91,18 @@ def _after_backward(event: Event) -> dict[str, Any]:
     return {"is_train": True}
 
 
+def _tensor(value: np.ndarray) -> Any:
+    """A numeric array as a CPU tensor of its own (RecIS hooks were given tensors); other
+    arrays (strings, objects) stay arrays."""
+    if value.dtype == np.bool_ or np.issubdtype(value.dtype, np.number):
+        return torch.from_numpy(value.copy())
+    return value
+
+
 def _after_step(event: Event) -> dict[str, Any]:
     assert isinstance(event, AfterStep)
     metrics: dict[str, Any] = {
-        name: torch.from_numpy(value.copy()) if isinstance(value, np.ndarray) else value
+        name: _tensor(value) if isinstance(value, np.ndarray) else value
         for name, value in event.metrics.items()
     }
     if event.is_train:
@@ -149,10 +157,10 @@ class RecisHook(Hook):
         if self._gives_stop:  # bound to the bus this run is on (a Trainer opens one per call)
             hook.request_stop = bus.request_stop  # type: ignore[attr-defined]
         cls = type(hook).__qualname__
+        if callable(getattr(hook, "end", None)):  # end(is_train=...) needs the last Start's
+            bus.subscribe(Start, self._remember, priority=self._priority)
         for event_type, name, arguments in _CALLS:
             method = getattr(hook, name, None)
-            if event_type is Start:
-                bus.subscribe(Start, self._remember, priority=self._priority)
             if not callable(method):
                 continue
             call = self._caller(method, arguments, event_type is End)
@@ -191,6 +199,11 @@ def from_recis(
     ``Trainer(hooks=[...])``.  Its methods run in-band at ``priority``; an exception from one
     is handled as ``on_error`` says (``"raise"``: ``HookError`` naming e.g.
     ``MyHook.after_step`` from the publish that ran it)."""
+    if isinstance(hook, type):
+        raise TypeError(
+            f"from_recis(hook=...): expected a hook instance, got the class {hook.__name__} "
+            f"(write from_recis({hook.__name__}(...)))"
+        )
     if isinstance(hook, Hook):
         raise TypeError(
             f"from_recis(hook=...): expected a hook written for RecIS, got {hook!r}, which is "

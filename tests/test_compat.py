@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from toy import Model, batches
@@ -174,10 +175,14 @@ async def test_evaluate_ends_with_is_train_false_and_array_metrics_arrive_as_ten
         await bus.publish(Start(is_train=False))
         await bus.publish(BeforeStep(is_train=False, global_step=7))
         add_metric("probs", torch.tensor([0.25, 0.75]))
-        await bus.publish(AfterStep(is_train=False, global_step=7, samples=2))
+        names = np.array(["a", "b"])
+        await bus.publish(
+            AfterStep(is_train=False, global_step=7, samples=2, metrics={"names": names})
+        )
     assert acc.eval_steps == 1 and acc.ended == [False]
     metrics = [kw for name, kw in rec.calls if name == "after_step"][0]["metrics"]
     assert torch.equal(metrics["probs"], torch.tensor([0.25, 0.75]))
+    assert metrics["names"].tolist() == ["a", "b"]  # not numeric: stays an array
 
 
 async def test_logging_accumulating_and_stopping_hooks_run_on_the_trainer(
@@ -269,6 +274,8 @@ def test_from_recis_names_what_it_cannot_wrap() -> None:
 
     with pytest.raises(TypeError, match=r"from_recis\(hook=...\): expected an object with RecIS"):
         from_recis(object())
+    with pytest.raises(TypeError, match=r"expected a hook instance, got the class Accumulate"):
+        from_recis(Accumulate)
     with pytest.raises(TypeError, match=r"a recis_async Hook already"):
         from_recis(LoggerHook())
     with pytest.raises(ValueError, match=r"from_recis\(on_error=...\): expected one of"):
