@@ -130,7 +130,9 @@ class AfterTrain(Event, frozen=True, kw_only=True):
 
 
 class AfterEval(Event, frozen=True, kw_only=True):
-    """Evaluation finished; ``metrics`` are eval-only aggregates."""
+    """Evaluation finished.  ``metrics``: every metric of the pass's steps combined over the
+    pass (and over ranks) as :class:`~recis_async.MetricAggregator` does; ``steps``: the
+    evaluation steps this rank ran."""
 
     is_train: bool = False
     global_step: int = 0
