@@ -65,8 +65,11 @@ def _same(a: Reduction, b: Reduction) -> bool:
 
 
 def _numeric(value: Any) -> Any:
-    """``value`` as a float or float array, or ``None`` when it is not numeric."""
-    if isinstance(value, numbers.Real):  # bool, int, float, numpy scalars
+    """``value`` as an int (sums of counts stay ints), float or float array, or ``None`` when
+    it is not numeric."""
+    if isinstance(value, numbers.Integral):  # bool, int, numpy integers
+        return int(value)
+    if isinstance(value, numbers.Real):
         return float(value)
     if isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.number):
         return value.astype(np.float64)

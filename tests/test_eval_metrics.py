@@ -75,7 +75,7 @@ async def test_evaluate_aggregates_every_metric_with_its_reduction() -> None:
     xs = [float(b["x"][0, 0]) for b in data]
     assert metrics["loss"] == pytest.approx((losses[0] * 4 + losses[1] * 2 + losses[2] * 6) / 12)
     assert metrics["rows_mean"] == pytest.approx((16 + 4 + 36) / 12)  # weighted by samples
-    assert metrics["rows_sum"] == 12
+    assert metrics["rows_sum"] == 12 and type(metrics["rows_sum"]) is int
     assert metrics["first_x_max"] == pytest.approx(max(xs))
     assert metrics["first_x_min"] == pytest.approx(min(xs))
     assert metrics["rows_last"] == 6
