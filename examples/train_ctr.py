@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import logging
 import os
 import sys
 import time
@@ -245,8 +244,6 @@ async def main(steps: int, out: Path, seed: int) -> float:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("recis_async.hooks").setLevel(logging.INFO)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--output-dir", type=Path, default=Path("output/ctr"))

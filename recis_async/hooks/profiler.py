@@ -24,6 +24,7 @@ import anyio
 import torch
 
 from .._checks import writable_dir
+from ..console import clear_bars, terminal_write
 from ..events import AfterStep, BeforeStep, End
 from ..hook import Hook
 from ._jobs import JobQueue
@@ -34,6 +35,11 @@ if TYPE_CHECKING:
 __all__ = ["ProfilerHook"]
 
 log = logging.getLogger(__name__)
+
+_RECORDING = (
+    torch.profiler.ProfilerAction.RECORD,
+    torch.profiler.ProfilerAction.RECORD_AND_SAVE,
+)
 
 
 class _Export(NamedTuple):
@@ -107,24 +113,34 @@ class ProfilerHook(Hook):
 
     def before_step(self, event: BeforeStep) -> None:
         if event.is_train and not self._running and self._prof is not None:
-            self._prof.start()
+            with terminal_write():  # kineto prints to fd 2 as it starts
+                self._prof.start()
             self._running = True
+        elif event.is_train and self._prof is not None and self._prof.current_action in _RECORDING:
+            clear_bars()  # torch may print allocator warnings while it records this step
 
     async def after_step(self, event: AfterStep) -> None:
         if not event.is_train or self._prof is None:
             return
         self._step = event.global_step
         if not self._running:  # the loop publishes no BeforeStep: start after this step
-            self._prof.start()
+            with terminal_write():
+                self._prof.start()
             self._running = True
             return
-        self._prof.step()
+        prof = self._prof
+        if prof.schedule(prof.step_num + 1) != prof.current_action:
+            with terminal_write():  # kineto prints to fd 2 when recording starts or stops
+                prof.step()
+        else:
+            prof.step()
         await self._hand_over()
 
     async def end(self, event: End) -> None:
         if self._running and self._prof is not None:
             self._running = False
-            self._prof.stop()
+            with terminal_write():
+                self._prof.stop()
         await self._hand_over()
 
     async def _hand_over(self) -> None:
