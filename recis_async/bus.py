@@ -51,6 +51,9 @@ _ON_ERROR = ("raise", "log", "disable")
 # (benchmarks/bench_trace.py).
 _YIELD_EVERY_S = 0.1
 _CLOSE_GRACE_S = 5.0  # a service that ignores its deadline is abandoned this much later
+# on_error="log"/"disable": the first failures of a subscriber are logged with their traceback;
+# after that a count line at the 10th, 100th, 1000th ... failure and a summary at close.
+_TRACEBACKS_LOGGED = 3
 _KIND_PLAIN, _KIND_BEFORE_STEP, _KIND_AFTER_STEP, _KIND_OUT_OF_DATA, _KIND_END = range(5)
 
 
@@ -168,6 +171,7 @@ class HookBus:
                 await self._publish_end(exc, deadline, errors)
             for service in reversed(self._services):
                 await self._close_service(service, deadline, errors)
+        self._log_close_summary()
         errors.extend(self._failures)
         self._failures.clear()
         self._collector.open = False
@@ -326,6 +330,8 @@ class HookBus:
                 sub.remove()
             self._hooks.remove(hook)
             raise
+        for what, where in _outputs(hook).items():
+            logger.info("%s writes %s to %s", type(hook).__name__, what, where)
 
     def start_service(self, service: Service) -> None:
         """Run ``service`` in the bus's task group until close (started at enter if not open)."""
@@ -583,11 +589,56 @@ class HookBus:
                 raise err
             errors.append(err)
             return
-        logger.error(
-            "%s failed on %s (on_error=%s)", sub.name, event_name, sub.on_error, exc_info=exc
-        )
         if sub.on_error == "disable":
+            logger.error(
+                "%s failed on %s (on_error=disable): unsubscribed",
+                sub.name,
+                event_name,
+                exc_info=exc,
+            )
             sub.remove()
+        elif sub.errors <= _TRACEBACKS_LOGGED:
+            more = (
+                "; further failures are counted (bus.stats()) and logged at the 10th, 100th, "
+                "1000th ... and at close"
+                if sub.errors == _TRACEBACKS_LOGGED
+                else ""
+            )
+            logger.error(
+                "%s failed on %s (on_error=log, failure %d)%s",
+                sub.name,
+                event_name,
+                sub.errors,
+                more,
+                exc_info=exc,
+            )
+        elif _is_power_of_ten(sub.errors):
+            logger.error(
+                "%s failed on %s (on_error=log): %d failures so far, the last %s: %s",
+                sub.name,
+                event_name,
+                sub.errors,
+                type(exc).__name__,
+                exc,
+            )
+
+    def _log_close_summary(self) -> None:
+        """Subscribers whose failures were only counted, and where every hook wrote."""
+        for sub in self._subs:
+            if sub.on_error == "log" and sub.errors > _TRACEBACKS_LOGGED:
+                logger.warning(
+                    "%s failed %d times on %s (on_error=log)",
+                    sub.name,
+                    sub.errors,
+                    sub.event_type.__name__,
+                )
+        lines = [
+            f"  {what} ({type(hook).__name__}): {where}"
+            for hook in self._hooks
+            for what, where in _outputs(hook).items()
+        ]
+        if lines:
+            logger.info("outputs of this run:\n%s", "\n".join(lines))
 
     def _with_collected(self, event: AfterStep) -> AfterStep:
         metrics, trace, tracked = self._collector.take()
@@ -665,6 +716,21 @@ def _event_types() -> Iterator[type[Event]]:
         if cls not in seen:
             seen.add(cls)
             yield cls
+
+
+def _is_power_of_ten(n: int) -> bool:
+    while n >= 10 and n % 10 == 0:
+        n //= 10
+    return n == 1
+
+
+def _outputs(hook: Hook) -> dict[str, str]:
+    """``hook.outputs()``; a failing one is logged, never breaks the run."""
+    try:
+        return dict(hook.outputs())
+    except Exception as exc:
+        logger.warning("%r.outputs() failed: %s: %s", hook, type(exc).__name__, exc)
+        return {}
 
 
 def _check_on_error(value: object, field: str) -> OnError:

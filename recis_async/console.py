@@ -24,7 +24,7 @@ _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
 
 
-class _LibraryHandler(logging.StreamHandler):  # type: ignore[type-arg]
+class _LibraryHandler(logging.StreamHandler):
     """The handler :func:`enable_logging` (or the Trainer's default) puts on ``recis_async``.
 
     ``default``: installed by the Trainer because nothing was configured.  Once the root
@@ -43,8 +43,10 @@ class _LibraryHandler(logging.StreamHandler):  # type: ignore[type-arg]
         root = logging.getLogger()
         if self.default and root.handlers:
             library = logging.getLogger(LOGGER_NAME)
-            if self.own_level is None or library.level != self.own_level or (
-                record.levelno >= root.getEffectiveLevel()
+            if (
+                self.own_level is None
+                or library.level != self.own_level
+                or (record.levelno >= root.getEffectiveLevel())
             ):
                 root.callHandlers(record)
             return True
@@ -144,7 +146,7 @@ def route_logging_through_bar(tqdm_class: Any, bar_file: IO[str] | None) -> Call
                 and id(handler.stream) in consoles
             ):
                 original = handler.stream
-                handler.setStream(_BarSafeStream(original, tqdm_class))  # type: ignore[arg-type]
+                handler.setStream(_BarSafeStream(original, tqdm_class))
                 swapped.append((handler, original))
 
     def undo() -> None:

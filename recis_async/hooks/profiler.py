@@ -105,6 +105,12 @@ class ProfilerHook(Hook):
         )
         bus.start_service(self._jobs)
 
+    def outputs(self) -> dict[str, str]:
+        where = str(self.output_dir.absolute())
+        if self.exported:
+            where += f" ({len(self.exported)} timeline file(s), the last {self.exported[-1].name})"
+        return {"profiler timelines": where}
+
     def _trace_ready(self, prof: torch.profiler.profile) -> None:
         # Called inside prof.step()/stop() on the training thread: only take the cycle's
         # results; the file is written by the background job.

@@ -24,7 +24,8 @@ class ProgressBarHook(Hook):
     postfix shows the latest step's numeric metrics (or only ``metrics`` when given).  While the
     bar is shown, log lines to the console (handlers of the root and ``recis_async`` loggers
     writing to stdout, stderr or ``file``) are written through tqdm, so each sits on its own
-    line above the bar, in a terminal and in a redirected file alike.  Rank 0 only.  Needs the ``progress`` extra: ``pip install 'recis_async[progress]'``.
+    line above the bar, in a terminal and in a redirected file alike.  Rank 0 only.
+    Needs the ``progress`` extra: ``pip install 'recis_async[progress]'``.
     """
 
     rank_zero_only = True
