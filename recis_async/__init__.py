@@ -7,6 +7,7 @@ services that drain when the block is left.
 
 from .bus import HookBus
 from .collect import add_metric, add_to_ml_tracker, add_to_trace
+from .console import disable_logging, enable_logging
 from .errors import HookError
 from .hook import Hook
 from .priority import Priority
@@ -26,6 +27,8 @@ __all__ = [
     "add_metric",
     "add_to_ml_tracker",
     "add_to_trace",
+    "disable_logging",
+    "enable_logging",
 ]
 
 __version__ = "0.1.0"
