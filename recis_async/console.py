@@ -11,10 +11,9 @@ write through tqdm so that every log line lands on its own line above the bar.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import IO, Any
 
 __all__ = ["LOGGER_NAME", "disable_logging", "enable_logging"]
@@ -159,9 +158,11 @@ def route_logging_through_bar(tqdm_class: Any, bar_file: IO[str] | None) -> Call
 
 
 def clear_bars() -> None:
-    """Take any tqdm bar off the screen until its next update: what C++ code prints to fd 2
-    during the coming work (e.g. torch's allocator warnings while profiling) then starts on
-    a clean line."""
+    """Take any tqdm bar off the screen until its next update, so that what C++ code prints
+    to the terminal next (torch's profiler and allocator messages) starts on a clean line.
+
+    The tqdm lock is held only while clearing, never around the caller's work: a worker
+    thread logging through the bar takes the handler's lock, then tqdm's."""
     tqdm_module = sys.modules.get("tqdm")
     if tqdm_module is None:
         return
@@ -169,15 +170,3 @@ def clear_bars() -> None:
     with tqdm_class.get_lock():
         for bar in list(getattr(tqdm_class, "_instances", ())):
             bar.clear(nolock=True)
-
-
-@contextlib.contextmanager
-def terminal_write() -> Iterator[None]:
-    """Around code that writes to the terminal outside ``logging`` (e.g. C++ libraries
-    printing to fd 2): clear any tqdm bar first, redraw it after."""
-    tqdm_module = sys.modules.get("tqdm")
-    if tqdm_module is None:
-        yield
-        return
-    with tqdm_module.tqdm.external_write_mode():
-        yield

@@ -24,7 +24,7 @@ import anyio
 import torch
 
 from .._checks import writable_dir
-from ..console import clear_bars, terminal_write
+from ..console import clear_bars
 from ..events import AfterStep, BeforeStep, End
 from ..hook import Hook
 from ._jobs import JobQueue
@@ -119,8 +119,8 @@ class ProfilerHook(Hook):
 
     def before_step(self, event: BeforeStep) -> None:
         if event.is_train and not self._running and self._prof is not None:
-            with terminal_write():  # kineto prints to fd 2 as it starts
-                self._prof.start()
+            clear_bars()  # kineto prints to the terminal as it starts
+            self._prof.start()
             self._running = True
         elif event.is_train and self._prof is not None and self._prof.current_action in _RECORDING:
             clear_bars()  # torch may print allocator warnings while it records this step
@@ -130,23 +130,21 @@ class ProfilerHook(Hook):
             return
         self._step = event.global_step
         if not self._running:  # the loop publishes no BeforeStep: start after this step
-            with terminal_write():
-                self._prof.start()
+            clear_bars()
+            self._prof.start()
             self._running = True
             return
         prof = self._prof
         if prof.schedule(prof.step_num + 1) != prof.current_action:
-            with terminal_write():  # kineto prints to fd 2 when recording starts or stops
-                prof.step()
-        else:
-            prof.step()
+            clear_bars()  # kineto prints to the terminal when recording starts or stops
+        prof.step()
         await self._hand_over()
 
     async def end(self, event: End) -> None:
         if self._running and self._prof is not None:
             self._running = False
-            with terminal_write():
-                self._prof.stop()
+            clear_bars()
+            self._prof.stop()
         await self._hand_over()
 
     async def _hand_over(self) -> None:
