@@ -29,6 +29,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from . import dist
 from .collect import StepCollector, _current
+from .console import TRACEBACKS_LOGGED, log_failure
 from .errors import HookError
 from .events import LIFECYCLE, AfterStep, BeforeStep, End, Error, Event, OutOfData, method_name
 from .hook import RESERVED_NAMES, Hook, OnError
@@ -51,9 +52,6 @@ _ON_ERROR = ("raise", "log", "disable")
 # (benchmarks/bench_trace.py).
 _YIELD_EVERY_S = 0.1
 _CLOSE_GRACE_S = 5.0  # a service that ignores its deadline is abandoned this much later
-# on_error="log"/"disable": the first failures of a subscriber are logged with their traceback;
-# after that a count line at the 10th, 100th, 1000th ... failure and a summary at close.
-_TRACEBACKS_LOGGED = 3
 _KIND_PLAIN, _KIND_BEFORE_STEP, _KIND_AFTER_STEP, _KIND_OUT_OF_DATA, _KIND_END = range(5)
 
 
@@ -597,35 +595,15 @@ class HookBus:
                 exc_info=exc,
             )
             sub.remove()
-        elif sub.errors <= _TRACEBACKS_LOGGED:
-            more = (
-                "; further failures are counted (bus.stats()) and logged at the 10th, 100th, "
-                "1000th ... and at close"
-                if sub.errors == _TRACEBACKS_LOGGED
-                else ""
-            )
-            logger.error(
-                "%s failed on %s (on_error=log, failure %d)%s",
-                sub.name,
-                event_name,
-                sub.errors,
-                more,
-                exc_info=exc,
-            )
-        elif _is_power_of_ten(sub.errors):
-            logger.error(
-                "%s failed on %s (on_error=log): %d failures so far, the last %s: %s",
-                sub.name,
-                event_name,
-                sub.errors,
-                type(exc).__name__,
-                exc,
+        else:
+            log_failure(
+                logger, sub.errors, exc, "%s failed on %s (on_error=log)", sub.name, event_name
             )
 
     def _log_close_summary(self) -> None:
         """Subscribers whose failures were only counted, and where every hook wrote."""
         for sub in self._subs:
-            if sub.on_error == "log" and sub.errors > _TRACEBACKS_LOGGED:
+            if sub.on_error == "log" and sub.errors > TRACEBACKS_LOGGED:
                 logger.warning(
                     "%s failed %d times on %s (on_error=log)",
                     sub.name,
@@ -716,12 +694,6 @@ def _event_types() -> Iterator[type[Event]]:
         if cls not in seen:
             seen.add(cls)
             yield cls
-
-
-def _is_power_of_ten(n: int) -> bool:
-    while n >= 10 and n % 10 == 0:
-        n //= 10
-    return n == 1
 
 
 def _outputs(hook: Hook) -> dict[str, str]:

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import IO, Any
 
-__all__ = ["LOGGER_NAME", "disable_logging", "enable_logging"]
+__all__ = ["LOGGER_NAME", "disable_logging", "enable_logging", "log_failure"]
 
 LOGGER_NAME = "recis_async"
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -50,6 +50,43 @@ class _LibraryHandler(logging.StreamHandler):
                 root.callHandlers(record)
             return True
         return super().handle(record)
+
+
+# A failure that repeats (on_error="log") is logged with its traceback this many times; after
+# that one line at the 10th, 100th, 1000th ... failure.
+TRACEBACKS_LOGGED = 3
+
+
+def log_failure(
+    logger: logging.Logger, count: int, exc: BaseException, message: str, *args: object
+) -> None:
+    """Log the ``count``-th failure of one thing that keeps failing, without flooding.
+
+    The first :data:`TRACEBACKS_LOGGED` failures are logged at ERROR with their traceback,
+    then one line (no traceback) at the 10th, 100th, 1000th ... failure.
+    """
+    if count <= TRACEBACKS_LOGGED:
+        note = (
+            "; further failures are counted and logged at the 10th, 100th, 1000th ..."
+            if count == TRACEBACKS_LOGGED
+            else ""
+        )
+        logger.error(f"{message} (failure {count}){note}", *args, exc_info=exc)
+        return
+    if _is_power_of_ten(count):
+        logger.error(
+            f"{message}: %d failures so far, the last %s: %s",
+            *args,
+            count,
+            type(exc).__name__,
+            exc,
+        )
+
+
+def _is_power_of_ten(n: int) -> bool:
+    while n >= 10 and n % 10 == 0:
+        n //= 10
+    return n == 1
 
 
 def _library_handlers(library: logging.Logger) -> list[_LibraryHandler]:

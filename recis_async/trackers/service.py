@@ -28,6 +28,7 @@ from typing import Any, Literal
 import anyio
 import msgspec
 
+from ..console import log_failure
 from ..events import EndStatus
 from .base import RunSpec, StepRecord, Tracker, encode_value, record_nbytes
 
@@ -217,12 +218,14 @@ class TrackerService:
                 if self.on_error == "log":
                     await self._spill(batch)
                     self._clear_inflight()
-                    log.error(
+                    log_failure(
+                        log,
+                        self._counts["errors"],
+                        exc,
                         "%s: tracker.log failed; %d records spilled to %s",
                         self.name,
                         len(batch),
                         self.spill_path,
-                        exc_info=exc,
                     )
                     continue
                 await self._give_up(exc, "log", batch)
