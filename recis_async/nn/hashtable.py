@@ -29,7 +29,7 @@ from .free_slots import FreeSlots
 from .hashtable_hook import AdmitHook, FilterHook
 from .policy import AdmitPolicy, FilterPolicy
 from .registry import DEFAULT_POLICIES, PolicyRegistry
-from .slot_map import SlotMap
+from .slot_map import new_slot_map
 
 __all__ = ["HashTable", "EvictionPlan", "Initializer", "attach_optimizer"]
 
@@ -141,7 +141,7 @@ class HashTable(nn.Module):
         self.weight = nn.Parameter(torch.zeros(capacity, self._dim, dtype=dtype))
         if initializer is not None:
             self._initial_rows(1)  # a broken initializer fails here, not mid-training
-        self._map = SlotMap()
+        self._map = new_slot_map()
         self._free = FreeSlots()
         self._next = 0  # slots below this were handed out at least once
         self._generation = 0  # bumped by load_state_dict: plans from before are void
@@ -594,7 +594,7 @@ class HashTable(nn.Module):
             if self.weight.grad is not None:
                 self.weight.grad = None
             self.weight.data = weight.detach().to(self.dtype).clone()
-            self._map = SlotMap(4 * int(ids.numel()))
+            self._map = new_slot_map(4 * int(ids.numel()))
             self._map.insert(ids, slots)
             live = torch.zeros(cap, dtype=torch.bool)
             live[slots] = True
