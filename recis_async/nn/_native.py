@@ -102,8 +102,7 @@ def load() -> Kernels | None:
         return Kernels(ctypes.CDLL(str(path)), path)
     except Exception as exc:  # any failure means: use the torch-ops map
         logger.warning(
-            "recis_async.nn: native id map unavailable, HashTable uses the torch-ops map "
-            "(%s: %s)",
+            "recis_async.nn: native id map unavailable, HashTable uses the torch-ops map (%s: %s)",
             type(exc).__name__,
             exc,
         )

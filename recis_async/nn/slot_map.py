@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import _native
+from . import _memory, _native
 
 __all__ = ["SlotMap", "NativeSlotMap", "new_slot_map", "EMPTY", "TOMB"]
 
@@ -61,7 +61,7 @@ class SlotMap:
     def _alloc(self, bits: int) -> None:
         self._bits = bits
         # one scratch row at index `capacity` absorbs writes of queries that must not write
-        self._kv = torch.full(((1 << bits) + 1, 2), EMPTY, dtype=torch.int64)
+        self._kv = _memory.zeros(((1 << bits) + 1, 2), torch.int64).fill_(EMPTY)
         self._flat = self._kv.view(-1)  # key of position p at 2p, value at 2p + 1
         self._live = 0
         self._used = 0  # live keys plus tombstones
@@ -205,7 +205,7 @@ class SlotMap:
         have = self._slot_pos.numel() - 1
         if top <= have:
             return
-        grown = torch.full((max(top, 2 * have) + 1,), -1, dtype=torch.int64)
+        grown = _memory.zeros((max(top, 2 * have) + 1,), torch.int64).fill_(-1)
         grown[:have] = self._slot_pos[:have]
         self._slot_pos = grown
 
