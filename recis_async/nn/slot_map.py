@@ -57,6 +57,7 @@ class SlotMap:
         self._alloc(_bits_for(min_capacity))
         # slot -> position of its key (-1: free); the last element is a scratch entry
         self._slot_pos = torch.full((1,), -1, dtype=torch.int64)
+        self._space = _memory.RowSpace()
 
     def _alloc(self, bits: int) -> None:
         self._bits = bits
@@ -201,12 +202,13 @@ class SlotMap:
         return out
 
     def _reserve_slots(self, top: int) -> None:
-        """Make ``_slot_pos`` hold slots below ``top`` plus the scratch entry."""
+        """Make ``_slot_pos`` hold slots below ``top`` plus the scratch entry (doubling, in
+        place within its mapping's reserve where it has one)."""
         have = self._slot_pos.numel() - 1
         if top <= have:
             return
-        grown = _memory.zeros((max(top, 2 * have) + 1,), torch.int64).fill_(-1)
-        grown[:have] = self._slot_pos[:have]
+        grown = self._space.grown(self._slot_pos, max(top, 2 * have) + 1)
+        grown[have + 1 :] = -1  # the old scratch entry (at `have`) is -1 already
         self._slot_pos = grown
 
     def remove(self, slots: torch.Tensor) -> torch.Tensor:
