@@ -590,12 +590,13 @@ class HookBus:
             sub.remove()
 
     def _with_collected(self, event: AfterStep) -> AfterStep:
-        metrics, trace, tracked = self._collector.take()
+        metrics, trace, tracked, reduce = self._collector.take()
         return msgspec.structs.replace(
             event,
             metrics={**metrics, **event.metrics} if event.metrics else metrics,
             trace={**trace, **event.trace} if event.trace else trace,
             tracked={**tracked, **event.tracked} if event.tracked else tracked,
+            reduce={**reduce, **event.reduce} if event.reduce else reduce,
         )
 
     # ------------------------------------------------------------------ control
