@@ -215,9 +215,14 @@ def test_native_claims_are_undone_when_allocation_fails_behind_tombstones() -> N
     with pytest.raises(MemoryError):
         m.find_or_insert(torch.tensor([100, 1, 101, 100, 0, 102]), broken)
     assert state(m) == before
-    with pytest.raises(ValueError, match="expected 3 int64 slots"):
+    with pytest.raises(ValueError, match="expected 3 int64 slots >= 0"):
         m.find_or_insert(torch.tensor([100, 101, 102]), lambda k: torch.arange(k - 1))
     assert state(m) == before
+    with pytest.raises(ValueError, match="expected 3 int64 slots >= 0"):
+        m.find_or_insert(torch.tensor([100, 101, 102]), lambda k: torch.arange(k) - 1)
+    assert state(m) == before
+    with pytest.raises(ValueError, match="ids: expected a 1-D int64 tensor, got torch.int32"):
+        m.find(torch.tensor([1, 2], dtype=torch.int32))
     with pytest.raises(ValueError, match="SlotMap.insert: expected distinct ids"):
         m.insert(torch.tensor([7, 500]), torch.tensor([40, 41]))  # 7 is present
     assert state(m) == before

@@ -265,7 +265,7 @@ class NativeSlotMap(SlotMap):
         n = ids.numel()
         if n == 0 or self._live == 0:
             return torch.full_like(ids, EMPTY)
-        ids = ids.contiguous()
+        ids = _int64(ids)
         out = torch.empty_like(ids)
         self._k.find(self._kv.data_ptr(), self._bits, ids.data_ptr(), n, out.data_ptr())
         return out
@@ -279,9 +279,9 @@ class NativeSlotMap(SlotMap):
         n = ids.numel()
         if n == 0:
             return torch.full_like(ids, EMPTY)
+        ids = _int64(ids)
         if self._used + n > _MAX_LOAD * self.capacity:
             self._rehash(self._live + n)
-        ids = ids.contiguous()
         out = torch.empty_like(ids)
         new_pos = torch.empty_like(ids)
         kv = self._kv.data_ptr()
@@ -301,9 +301,9 @@ class NativeSlotMap(SlotMap):
             else:
                 assert alloc is not None
                 slots = alloc(k)
-            if slots.dtype != torch.int64 or slots.shape != (k,):
+            if slots.dtype != torch.int64 or slots.shape != (k,) or int(slots.min()) < 0:
                 raise ValueError(
-                    f"SlotMap alloc: expected {k} int64 slots, got {slots.dtype} "
+                    f"SlotMap alloc: expected {k} int64 slots >= 0, got {slots.dtype} "
                     f"{tuple(slots.shape)}"
                 )
             slots = slots.contiguous()
@@ -323,6 +323,15 @@ class NativeSlotMap(SlotMap):
         self._used += k
         self._live += k
         return out
+
+
+def _int64(ids: torch.Tensor) -> torch.Tensor:
+    """``ids`` as the native loops read them: contiguous 1-D int64 (they index raw memory)."""
+    if ids.dtype != torch.int64 or ids.dim() != 1:
+        raise ValueError(
+            f"ids: expected a 1-D int64 tensor, got {ids.dtype} of shape {tuple(ids.shape)}"
+        )
+    return ids.contiguous()
 
 
 def new_slot_map(min_capacity: int = 1 << _MIN_BITS) -> SlotMap:
