@@ -4,8 +4,11 @@
 events; slow work (trace uploads, experiment tracking, checkpoints) runs in background
 services that drain when the block is left.
 
-The names below are imported on first use (PEP 562), so a process that needs only a part of
-the package -- a tracker's child process, say -- does not import torch with it.
+The hooks and sinks most runs use are importable from here; every hook is in
+``recis_async.hooks``, every sink in ``recis_async.sinks``, trackers in
+``recis_async.trackers``, embedding tables in ``recis_async.nn``.  The names below are
+imported on first use (PEP 562), so a process that needs only a part of the package -- a
+tracker's child process, say -- does not import torch with it.
 """
 
 from __future__ import annotations
@@ -14,41 +17,83 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .aggregate import MetricAggregator
     from .bus import HookBus
     from .collect import add_metric, add_to_ml_tracker, add_to_trace
+    from .console import disable_logging, enable_logging
     from .errors import HookError
     from .hook import Hook
+    from .hooks import (
+        CheckpointSaverHook,
+        LoggerHook,
+        MetricReportHook,
+        MLTrackerHook,
+        ProfilerHook,
+        ProgressBarHook,
+        ReportArguments,
+        TraceHook,
+        TraceToOdpsHook,
+    )
     from .priority import Priority
     from .service import Service
+    from .sinks import OdpsSink, ParquetSink
     from .subscription import Subscription
     from .trainer import Trainer, TrainingArguments
 
 _WHERE = {
+    "MetricAggregator": ".aggregate",
     "HookBus": ".bus",
     "add_metric": ".collect",
     "add_to_ml_tracker": ".collect",
     "add_to_trace": ".collect",
+    "disable_logging": ".console",
+    "enable_logging": ".console",
     "HookError": ".errors",
     "Hook": ".hook",
+    "CheckpointSaverHook": ".hooks",
+    "LoggerHook": ".hooks",
+    "MetricReportHook": ".hooks",
+    "MLTrackerHook": ".hooks",
+    "ProfilerHook": ".hooks",
+    "ProgressBarHook": ".hooks",
+    "ReportArguments": ".hooks",
+    "TraceHook": ".hooks",
+    "TraceToOdpsHook": ".hooks",
     "Priority": ".priority",
     "Service": ".service",
+    "OdpsSink": ".sinks",
+    "ParquetSink": ".sinks",
     "Subscription": ".subscription",
     "Trainer": ".trainer",
     "TrainingArguments": ".trainer",
 }
 
 __all__ = [
+    "CheckpointSaverHook",
     "Hook",
     "HookBus",
     "HookError",
+    "LoggerHook",
+    "MLTrackerHook",
+    "MetricAggregator",
+    "MetricReportHook",
+    "OdpsSink",
+    "ParquetSink",
     "Priority",
+    "ProfilerHook",
+    "ProgressBarHook",
+    "ReportArguments",
     "Service",
     "Subscription",
+    "TraceHook",
+    "TraceToOdpsHook",
     "Trainer",
     "TrainingArguments",
     "add_metric",
     "add_to_ml_tracker",
     "add_to_trace",
+    "disable_logging",
+    "enable_logging",
 ]
 
 __version__ = "0.1.0"
