@@ -262,7 +262,7 @@ class HookBus:
                 logger.warning("second stop signal: closing at once, spilling what is left")
                 self._hurry = True
                 if self._state == "open" and self._tg is not None:
-                    self._tg.cancel_scope.cancel()  # cancels the body (and this task)
+                    self._tg.cancel_scope.cancel()  # cancels the body (not this shielded task)
                 elif self._close_scope is not None:
                     self._close_scope.deadline = -math.inf
 
