@@ -8,7 +8,22 @@ import os
 import tempfile
 from typing import Any
 
-__all__ = ["creatable_dir", "exactly_one", "positive_int", "positive_number", "writable_dir"]
+__all__ = [
+    "boolean",
+    "creatable_dir",
+    "exactly_one",
+    "positive_int",
+    "positive_number",
+    "writable_dir",
+]
+
+
+def boolean(owner: str, field: str, value: Any) -> bool:
+    """``value`` if it is ``True`` or ``False``: ``"no"``, ``0`` or ``None`` are refused, not
+    read by their truth value."""
+    if value is not True and value is not False:
+        raise TypeError(f"{owner}({field}=...): expected a bool, got {value!r}")
+    return value
 
 
 def positive_int(owner: str, field: str, value: Any) -> int:

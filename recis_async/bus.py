@@ -28,6 +28,7 @@ import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 
 from . import dist
+from ._checks import boolean, positive_number
 from .collect import StepCollector, _current
 from .errors import HookError
 from .events import LIFECYCLE, AfterStep, BeforeStep, End, Error, Event, OutOfData, method_name
@@ -68,11 +69,8 @@ class HookBus:
     """
 
     def __init__(self, flush_timeout: float = 60.0, *, handle_signals: bool = True) -> None:
-        if isinstance(flush_timeout, bool) or not isinstance(flush_timeout, int | float):
-            raise TypeError(f"flush_timeout: expected a number of seconds, got {flush_timeout!r}")
-        if not flush_timeout > 0:
-            raise ValueError(f"flush_timeout: expected > 0 seconds, got {flush_timeout!r}")
-        self.flush_timeout = float(flush_timeout)
+        self.flush_timeout = positive_number("HookBus", "flush_timeout", flush_timeout)
+        self._handle_signals = boolean("HookBus", "handle_signals", handle_signals)
         self._subs: list[Subscription] = []
         self._routes: dict[type, Route] = {}
         self._seq = 0
@@ -85,7 +83,6 @@ class HookBus:
         self._collector = StepCollector()
         self._token: Token[StepCollector | None] | None = None
         self._stop_reason: str | None = None
-        self._handle_signals = handle_signals
         self._signal: int | None = None  # the first stop signal received
         self._hurry = False  # a second signal: close without waiting
         self._close_scope: anyio.CancelScope | None = None
@@ -590,13 +587,16 @@ class HookBus:
             sub.remove()
 
     def _with_collected(self, event: AfterStep) -> AfterStep:
+        """``event`` with the collectors' values merged in.  Both sides were checked already
+        (the event when built, the values by ``add_metric`` and friends), so the copy is
+        filled in place of ``msgspec.structs.replace``, which would check them again."""
         metrics, trace, tracked = self._collector.take()
-        return msgspec.structs.replace(
-            event,
-            metrics={**metrics, **event.metrics} if event.metrics else metrics,
-            trace={**trace, **event.trace} if event.trace else trace,
-            tracked={**tracked, **event.tracked} if event.tracked else tracked,
-        )
+        merged: AfterStep = event.__copy__()  # type: ignore[attr-defined]  # C, unstubbed
+        fill = msgspec.structs.force_setattr
+        fill(merged, "metrics", {**metrics, **event.metrics} if event.metrics else metrics)
+        fill(merged, "trace", {**trace, **event.trace} if event.trace else trace)
+        fill(merged, "tracked", {**tracked, **event.tracked} if event.tracked else tracked)
+        return merged
 
     # ------------------------------------------------------------------ control
     def request_stop(self, reason: str = "") -> None:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Mapping
@@ -429,8 +430,42 @@ async def test_bad_input_is_refused_at_the_call() -> None:
             bus.add_hook(hook)
         with pytest.raises(TypeError, match="expected a Hook instance"):
             bus.add_hook(print)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"flush_timeout: expected > 0 seconds, got 0"):
+    with pytest.raises(
+        ValueError, match=r"HookBus\(flush_timeout=...\): expected a positive number, got 0"
+    ):
         HookBus(flush_timeout=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        (
+            {"handle_signals": "no"},
+            TypeError,
+            r"HookBus\(handle_signals=...\): expected a bool, got 'no'",
+        ),
+        (
+            {"handle_signals": 0},
+            TypeError,
+            r"HookBus\(handle_signals=...\): expected a bool, got 0",
+        ),
+        ({"handle_signals": None}, TypeError, r"expected a bool, got None"),
+        (
+            {"flush_timeout": "60"},
+            ValueError,
+            r"HookBus\(flush_timeout=...\): expected a positive number, got '60'",
+        ),
+        ({"flush_timeout": math.nan}, ValueError, r"expected a positive number, got nan"),
+        ({"flush_timeout": math.inf}, ValueError, r"expected a positive number, got inf"),
+        ({"flush_timeout": True}, ValueError, r"expected a positive number, got True"),
+        ({"flush_timeout": -1}, ValueError, r"expected a positive number, got -1"),
+    ],
+)
+def test_constructor_arguments_are_checked(
+    kwargs: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        HookBus(**kwargs)
 
 
 async def test_publish_outside_the_block_is_refused() -> None:
