@@ -330,7 +330,7 @@ class Trainer:
                     await self._agree(bus, _END_EPOCH, at.global_step)
                     return
                 await bus.publish(at(AfterData))
-                loss = _check_loss(self.model(batch))
+                loss = _trainable(_check_loss(self.model(batch)))
                 (loss / accumulate if accumulate > 1 else loss).backward()
                 await bus.publish(at(AfterBackward))
                 if (self.global_step + 1) % accumulate == 0:
@@ -470,4 +470,15 @@ def _check_loss(loss: Any) -> torch.Tensor:
             else type(loss).__name__
         )
         raise TypeError(f"model(batch): expected the scalar loss tensor, got {what}")
+    return loss
+
+
+def _trainable(loss: torch.Tensor) -> torch.Tensor:
+    """A training loss backward() can run through, or an error saying why not."""
+    if not loss.requires_grad:
+        raise ValueError(
+            "model(batch) in training: expected a loss that requires grad (computed from "
+            "parameters with requires_grad=True, outside torch.no_grad()), got a tensor "
+            f"without grad_fn ({loss.detach().reshape(()).item():.6g})"
+        )
     return loss

@@ -261,6 +261,26 @@ async def test_non_scalar_loss_is_refused_naming_the_shape() -> None:
         await trainer.train()
 
 
+async def test_a_loss_without_grad_is_refused_before_backward() -> None:
+    class Detached(Model):
+        def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            return super().forward(batch).detach()
+
+    model = Detached()
+    trainer = Trainer(
+        model,
+        TrainingArguments(save_steps=None),
+        train_dataset=batches(1),
+        dense_optimizers=(torch.optim.SGD(model.parameters(), 0.1), None),
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"model\(batch\) in training: expected a loss that requires grad .*, got a "
+        r"tensor without grad_fn",
+    ):
+        await trainer.train()
+
+
 async def test_the_trainer_logs_every_log_steps_unless_given_a_logger(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
