@@ -194,7 +194,11 @@ def test_byte_accounting_is_exact() -> None:
         ("int", np.array([3, 2**65], dtype=object), "int range [-2147483648, 2147483647], got"),
         ("double", [1.0, 2**1100], "double range [-1.79769e+308, 1.79769e+308], got 1358"),
         ("bigint", [1, None], "field 'f' (bigint): expected numbers, got NoneType (None) at row 1"),
-        ("double", [0.5, None], "field 'f' (double): expected numbers, got NoneType (None) at row 1"),
+        (
+            "double",
+            [0.5, None],
+            "field 'f' (double): expected numbers, got NoneType (None) at row 1",
+        ),
     ],
 )
 def test_bad_values_are_refused_with_field_expected_and_actual(

@@ -145,7 +145,9 @@ class HashTable(nn.Module):
         super().__init__()
         self.embedding_shape = _shape(embedding_shape)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"HashTable(dtype=...): expected a floating torch.dtype, got {dtype!r}")
+            raise ValueError(
+                f"HashTable(dtype=...): expected a floating torch.dtype, got {dtype!r}"
+            )
         if initializer is not None and not callable(initializer):
             kind = type(initializer).__name__
             raise ValueError(f"HashTable(initializer=...): expected a callable or None, got {kind}")
