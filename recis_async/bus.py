@@ -13,11 +13,12 @@ cancellation.  The body's own exception propagates unchanged.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import signal
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from contextvars import Token
 from time import perf_counter
 from types import TracebackType
@@ -80,6 +81,8 @@ class HookBus:
         self._tg: TaskGroup | None = None
         self._state = "new"  # new -> open -> closing -> closed
         self._end_published = False
+        self._unawaited: Coroutine[Any, Any, None] | None = None  # see publish()
+        self._unawaited_event: Event | None = None
         self._collector = StepCollector()
         self._token: Token[StepCollector | None] | None = None
         self._stop_reason: str | None = None
@@ -159,6 +162,10 @@ class HookBus:
             return []
         self._state = "closing"
         errors: list[HookError] = []
+        if self._unawaited is not None:
+            lost = self._unawaited_error("leaving the bus")
+            event_name = type(self._unawaited_event).__name__
+            errors.append(HookError(str(lost), subscriber="publish", event=event_name))
         with anyio.CancelScope(shield=True):
             deadline = anyio.current_time() + (0.0 if self._hurry else self.flush_timeout)
             if not self._end_published:
@@ -476,12 +483,35 @@ class HookBus:
         return route
 
     # ------------------------------------------------------------------ publishing
-    async def publish(self, event: Event) -> None:
-        """Run every subscriber of ``event`` in order; return when all ran.
+    def publish(self, event: Event) -> Coroutine[Any, Any, None]:
+        """Run every subscriber of ``event`` in order; ``await`` it: it returns when all ran.
 
         A failing ``on_error="raise"`` subscriber raises :class:`HookError` here, as does a
-        background service that failed since the last publish.
+        background service that failed since the last publish.  A ``publish`` called without
+        ``await`` delivers nothing; the next ``publish`` (or leaving the bus) raises
+        ``RuntimeError`` naming its event, instead of Python only warning when it is
+        collected.
         """
+        # A plain method returning the coroutine, so that the call itself is seen: the
+        # coroutine clears the mark when it starts.  One call more per publish, no task.
+        if self._unawaited is not None:
+            raise self._unawaited_error("publish()")
+        self._unawaited = coro = self._publish(event)
+        self._unawaited_event = event
+        return coro
+
+    def _unawaited_error(self, where: str) -> RuntimeError:
+        coro, self._unawaited = self._unawaited, None
+        if coro is not None:
+            coro.close()  # Python's own "never awaited" warning would only repeat this
+        event = self._unawaited_event
+        return RuntimeError(
+            f"{where}: an earlier publish({type(event).__name__}) was never awaited, so it "
+            f"delivered nothing ({event!r:.120}); write `await bus.publish(event)`"
+        )
+
+    async def _publish(self, event: Event) -> None:
+        self._unawaited = None
         if self._state != "open" and self._state != "closing":  # End handlers may publish
             raise RuntimeError(
                 f"publish(): the bus is {self._state}; publish inside `async with HookBus()`"
@@ -516,8 +546,8 @@ class HookBus:
                     continue
                 if is_async:
                     await fn(event)
-                else:
-                    fn(event)
+                elif (result := fn(event)) is not None and inspect.isawaitable(result):
+                    await result  # a lambda or partial around a coroutine function
             except Exception as exc:
                 self._failed(sub, event, exc, None)
             now = perf_counter()
@@ -550,8 +580,8 @@ class HookBus:
                     continue
                 if is_async:
                     await fn(event)
-                else:
-                    fn(event)
+                elif (result := fn(event)) is not None and inspect.isawaitable(result):
+                    await result  # a lambda or partial around a coroutine function
             except Exception as exc:
                 self._failed(sub, event, exc, errors)
             now = perf_counter()
@@ -577,6 +607,7 @@ class HookBus:
             )
             err.__cause__ = exc
             if errors is None:
+                sub.calls += 1  # the publish loop, which counts the other calls, ends here
                 raise err
             errors.append(err)
             return

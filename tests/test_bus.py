@@ -294,6 +294,61 @@ async def test_stats_count_calls_and_time() -> None:
     assert 0.02 <= entry["max_s"] <= entry["total_s"]
 
 
+async def test_stats_count_a_call_that_raised_as_a_call() -> None:
+    def broken(event: Custom) -> None:
+        raise RuntimeError("always")
+
+    async with HookBus() as bus:
+        bus.subscribe(Custom, broken)  # on_error="raise"
+        for _ in range(3):
+            with pytest.raises(HookError):
+                await bus.publish(Custom())
+        stats = bus.stats()["subscribers"]
+    (entry,) = [v for k, v in stats.items() if "broken" in k]
+    assert (entry["calls"], entry["errors"]) == (3, 3)
+
+
+async def test_a_publish_never_awaited_is_named_by_the_next_publish() -> None:
+    seen: list[Event] = []
+    async with HookBus() as bus:
+        bus.subscribe(Event, seen.append)
+        bus.publish(BeforeStep(global_step=7))  # type: ignore[unused-coroutine]
+        with pytest.raises(
+            RuntimeError,
+            match=r"publish\(\): an earlier publish\(BeforeStep\) was never awaited, so it "
+            r"delivered nothing \(BeforeStep\(is_train=True, global_step=7.*\); write "
+            r"`await bus.publish\(event\)`",
+        ):
+            await bus.publish(AfterStep(global_step=7))
+        await bus.publish(AfterStep(global_step=8))  # reported once, then publishing goes on
+    assert [type(e).__name__ for e in seen] == ["AfterStep", "End"]
+
+
+async def test_a_publish_never_awaited_before_leaving_the_bus_is_an_error() -> None:
+    with pytest.raises(
+        HookError,
+        match=r"leaving the bus: an earlier publish\(Custom\) was never awaited",
+    ) as info:
+        async with HookBus() as bus:
+            bus.publish(Custom(n=5))  # type: ignore[unused-coroutine]
+    assert info.value.event == "Custom"
+
+
+async def test_a_sync_subscriber_returning_a_coroutine_is_awaited() -> None:
+    seen: list[int] = []
+
+    async def record(event: Custom) -> None:
+        await anyio.lowlevel.checkpoint()
+        seen.append(event.n)
+
+    async with HookBus() as bus, HookBus(handle_signals=False) as other:
+        bus.subscribe(Custom, lambda e: record(e))
+        other.subscribe(Custom, record)
+        bus.subscribe(Custom, other.publish)  # forwarding to another bus
+        await bus.publish(Custom(n=1))
+    assert seen == [1, 1]
+
+
 async def test_describe_shows_effective_order() -> None:
     class Probe(Hook):
         priority = Priority.LOW
