@@ -82,7 +82,6 @@ class HookBus:
         self._state = "new"  # new -> open -> closing -> closed
         self._end_published = False
         self._unawaited: Coroutine[Any, Any, None] | None = None  # see publish()
-        self._unawaited_event: Event | None = None
         self._collector = StepCollector()
         self._token: Token[StepCollector | None] | None = None
         self._stop_reason: str | None = None
@@ -163,8 +162,7 @@ class HookBus:
         self._state = "closing"
         errors: list[HookError] = []
         if self._unawaited is not None:
-            lost = self._unawaited_error("leaving the bus")
-            event_name = type(self._unawaited_event).__name__
+            lost, event_name = self._unawaited_error("leaving the bus")
             errors.append(HookError(str(lost), subscriber="publish", event=event_name))
         with anyio.CancelScope(shield=True):
             deadline = anyio.current_time() + (0.0 if self._hurry else self.flush_timeout)
@@ -495,20 +493,21 @@ class HookBus:
         # A plain method returning the coroutine, so that the call itself is seen: the
         # coroutine clears the mark when it starts.  One call more per publish, no task.
         if self._unawaited is not None:
-            raise self._unawaited_error("publish()")
+            raise self._unawaited_error("publish()")[0]
         self._unawaited = coro = self._publish(event)
-        self._unawaited_event = event
         return coro
 
-    def _unawaited_error(self, where: str) -> RuntimeError:
+    def _unawaited_error(self, where: str) -> tuple[RuntimeError, str]:
+        """The error for the publish never awaited, and its event's name."""
         coro, self._unawaited = self._unawaited, None
+        frame = getattr(coro, "cr_frame", None)  # an unstarted coroutine holds its arguments
+        event = frame.f_locals.get("event") if frame is not None else None
         if coro is not None:
             coro.close()  # Python's own "never awaited" warning would only repeat this
-        event = self._unawaited_event
         return RuntimeError(
             f"{where}: an earlier publish({type(event).__name__}) was never awaited, so it "
             f"delivered nothing ({event!r:.120}); write `await bus.publish(event)`"
-        )
+        ), type(event).__name__
 
     async def _publish(self, event: Event) -> None:
         self._unawaited = None
