@@ -631,6 +631,8 @@ class HookBus:
     # ------------------------------------------------------------------ control
     def request_stop(self, reason: str = "") -> None:
         """Ask the loop to stop at the next step boundary; the first reason is kept."""
+        if not isinstance(reason, str):
+            raise TypeError(f"request_stop(reason=...): expected a str, got {reason!r}")
         if self._stop_reason is None:
             self._stop_reason = reason
             logger.info("stop requested%s", f": {reason}" if reason else "")

@@ -163,6 +163,8 @@ class Trainer:
                     f"Trainer({field}=...): expected an iterable of batches or an object with "
                     f"windows(), got {type(dataset).__name__}"
                 )
+        if isinstance(hooks, Hook) or not isinstance(hooks, Iterable | None):
+            raise TypeError(f"Trainer(hooks=...): expected a list of Hooks, got {hooks!r:.80}")
         hooks = list(hooks or ())
         for i, hook in enumerate(hooks):
             if not isinstance(hook, Hook):
@@ -170,8 +172,17 @@ class Trainer:
         if not (isinstance(dense_optimizers, tuple | list) and len(dense_optimizers) == 2):
             raise TypeError(
                 "Trainer(dense_optimizers=...): expected (optimizer, lr_scheduler), "
-                f"got {dense_optimizers!r}"
+                f"got {type(dense_optimizers).__name__}"
             )
+        for i, (what, methods) in enumerate(
+            (("optimizer", ("step", "zero_grad")), ("lr_scheduler", ("step",)))
+        ):
+            given = dense_optimizers[i]
+            if given is not None and not all(callable(getattr(given, m, None)) for m in methods):
+                raise TypeError(
+                    f"Trainer(dense_optimizers[{i}]=...): expected the {what} (an object with "
+                    f"{'() and '.join(methods)}()) or None, got {type(given).__name__}"
+                )
         if bus is not None and not isinstance(bus, HookBus):
             raise TypeError(f"Trainer(bus=...): expected a HookBus, got {bus!r}")
         self.model = model

@@ -523,6 +523,13 @@ def test_constructor_arguments_are_checked(
         HookBus(**kwargs)
 
 
+async def test_request_stop_takes_a_str_reason() -> None:
+    async with HookBus() as bus:
+        with pytest.raises(TypeError, match=r"request_stop\(reason=...\): expected a str, got 3"):
+            bus.request_stop(3)  # type: ignore[arg-type]
+        assert not bus.should_stop
+
+
 async def test_publish_outside_the_block_is_refused() -> None:
     bus = HookBus()
     with pytest.raises(RuntimeError, match="publish inside `async with HookBus\\(\\)`"):

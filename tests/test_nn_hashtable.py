@@ -119,6 +119,27 @@ def test_growth_beyond_the_machine_is_refused_naming_the_table(
     assert table(ids(3)).shape == (1, 4)  # the table stays usable
 
 
+def test_bad_clock_ids_and_registries_are_refused() -> None:
+    table = HashTable(4, filter_hook=FilterHook("GlobalStepFilter", {"filter_step": 1}))
+    with pytest.raises(
+        ValueError, match=r"HashTable.advance\(global_step=...\): expected an int >= 0, got -1"
+    ):
+        table.advance(-1)
+    with pytest.raises(
+        ValueError,
+        match=r"HashTable.scan_eviction\(now=...\): expected an int >= 0 or None, got 'x'",
+    ):
+        table.evict("x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"ids: expected a dense tensor holding ids, got one"):
+        table(torch.zeros(3).to_sparse().long())
+    with pytest.raises(
+        ValueError,
+        match=r"PolicyRegistry\(admit=...\): expected a mapping of name -> policy class or None, "
+        r"got int",
+    ):
+        PolicyRegistry(admit=3)  # type: ignore[arg-type]
+
+
 def test_dtype_follows_module_conversion() -> None:
     table = HashTable(2, initializer=const(1.5)).double()
     assert table(ids(1)).dtype == torch.float64 and table.dtype == torch.float64

@@ -241,6 +241,25 @@ def test_bad_arguments_are_refused() -> None:
         Trainer(Model(), train_dataset=3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"dense_optimizers"):
         Trainer(Model(), dense_optimizers=None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"Trainer\(hooks=...\): expected a list of Hooks, got <"):
+        Trainer(Model(), hooks=Recorder())  # type: ignore[arg-type]
+    model = Model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(
+        TypeError,
+        match=r"Trainer\(dense_optimizers=...\): expected \(optimizer, lr_scheduler\), got SGD$",
+    ):
+        Trainer(model, dense_optimizers=opt)  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError,
+        match=r"Trainer\(dense_optimizers\[0\]=...\): expected the optimizer \(an object with "
+        r"step\(\) and zero_grad\(\)\) or None, got int",
+    ):
+        Trainer(model, dense_optimizers=(3, None))
+    with pytest.raises(
+        TypeError, match=r"Trainer\(dense_optimizers\[1\]=...\): expected the lr_scheduler"
+    ):
+        Trainer(model, dense_optimizers=(opt, "cosine"))
 
 
 async def test_non_scalar_loss_is_refused_naming_the_shape() -> None:

@@ -277,6 +277,11 @@ class HashTable(nn.Module):
     def _check_ids(self, ids: torch.Tensor) -> torch.Tensor:
         if not isinstance(ids, torch.Tensor):
             raise ValueError(f"ids: expected an int64 torch.Tensor, got {type(ids).__name__}")
+        if ids.is_meta or ids.layout != torch.strided:
+            raise ValueError(
+                f"HashTable {self.name!r}: ids: expected a dense tensor holding ids, got one "
+                f"on {ids.device} with layout {ids.layout}"
+            )
         if ids.dtype == torch.int64:
             return ids
         if ids.dtype in (torch.int32, torch.int16, torch.int8, torch.uint8):
@@ -495,8 +500,10 @@ class HashTable(nn.Module):
     # ------------------------------------------------------------------ filtering
     def advance(self, global_step: int) -> None:
         """Set the filter clock: later training lookups stamp ``global_step``."""
-        if type(global_step) is not int:
-            raise ValueError(f"global_step: expected an int, got {global_step!r}")
+        if type(global_step) is not int or global_step < 0:
+            raise ValueError(
+                f"HashTable.advance(global_step=...): expected an int >= 0, got {global_step!r}"
+            )
         if self._filter is not None:
             with self._lock:
                 self._filter.advance(global_step)
@@ -507,6 +514,10 @@ class HashTable(nn.Module):
         Thread-safe and meant for a worker thread: the filter state is copied in chunks of
         at most ``2**17`` slots per lock hold, the decision runs without the lock.
         """
+        if now is not None and (type(now) is not int or now < 0):
+            raise ValueError(
+                f"HashTable.scan_eviction(now=...): expected an int >= 0 or None, got {now!r}"
+            )
         started = time.perf_counter()
         hold = 0.0
         with self._lock:
