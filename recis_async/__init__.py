@@ -5,6 +5,7 @@ events; slow work (trace uploads, experiment tracking, checkpoints) runs in back
 services that drain when the block is left.
 """
 
+from .aggregate import MetricAggregator
 from .bus import HookBus
 from .collect import add_metric, add_to_ml_tracker, add_to_trace
 from .errors import HookError
@@ -18,6 +19,7 @@ __all__ = [
     "Hook",
     "HookBus",
     "HookError",
+    "MetricAggregator",
     "Priority",
     "Service",
     "Subscription",

@@ -620,12 +620,13 @@ class HookBus:
         """``event`` with the collectors' values merged in.  Both sides were checked already
         (the event when built, the values by ``add_metric`` and friends), so the copy is
         filled in place of ``msgspec.structs.replace``, which would check them again."""
-        metrics, trace, tracked = self._collector.take()
+        metrics, trace, tracked, reduce = self._collector.take()
         merged: AfterStep = event.__copy__()  # type: ignore[attr-defined]  # C, unstubbed
         fill = msgspec.structs.force_setattr
         fill(merged, "metrics", {**metrics, **event.metrics} if event.metrics else metrics)
         fill(merged, "trace", {**trace, **event.trace} if event.trace else trace)
         fill(merged, "tracked", {**tracked, **event.tracked} if event.tracked else tracked)
+        fill(merged, "reduce", {**reduce, **event.reduce} if event.reduce else reduce)
         return merged
 
     # ------------------------------------------------------------------ control

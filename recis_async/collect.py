@@ -15,16 +15,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from .aggregate import Reduction, check_reduction
+
 __all__ = ["StepCollector", "add_metric", "add_to_ml_tracker", "add_to_trace", "current_collector"]
 
 
 class StepCollector:
     """What one step collected; owned by one bus."""
 
-    __slots__ = ("is_train", "metrics", "open", "trace", "tracked")
+    __slots__ = ("is_train", "metrics", "open", "reduce", "trace", "tracked")
 
     def __init__(self) -> None:
         self.metrics: dict[str, Any] = {}
+        self.reduce: dict[str, Any] = {}  # only metrics added with a reduction other than mean
         self.trace: dict[str, Any] = {}
         self.tracked: dict[str, Any] = {}
         self.open = True
@@ -41,10 +44,10 @@ class StepCollector:
     def pending(self) -> bool:
         return bool(self.metrics or self.trace or self.tracked)
 
-    def take(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-        """Hand over the step's values and start empty."""
-        taken = (self.metrics, self.trace, self.tracked)
-        self.metrics, self.trace, self.tracked = {}, {}, {}
+    def take(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """Hand over the step's metrics, trace, tracked values and reductions; start empty."""
+        taken = (self.metrics, self.trace, self.tracked, self.reduce)
+        self.metrics, self.trace, self.tracked, self.reduce = {}, {}, {}, {}
         return taken
 
 
@@ -103,19 +106,32 @@ def _check_tensor(caller: str, name: str, value: torch.Tensor) -> None:
         )
 
 
-def add_metric(name: str, value: Any) -> None:
+def add_metric(name: str, value: Any, reduce: Reduction = "mean") -> None:
     """Record a metric for the current step (``AfterStep.metrics``): a number, a tensor or
-    numpy array (one element: a number; more: a numpy copy) or a list of numbers.  Anything
-    else is refused here, naming the metric and the type."""
+    numpy array (one element: a number; more: a numpy copy) or a list of numbers.  Other
+    plain values (a str, a non-numeric array) only with ``reduce="last"`` or a callable,
+    which can combine them; anything else is refused here, naming the metric and the type.
+
+    ``reduce`` says how the values of an evaluation pass combine into ``AfterEval.metrics``
+    (Lightning's ``reduce_fx``): ``"mean"`` (weighted by ``AfterStep.samples``), ``"sum"``,
+    ``"max"``, ``"min"``, ``"last"``, or a callable given every step's value as a 1-D numpy
+    array; see :class:`~recis_async.aggregate.MetricAggregator`.
+    """
     collector = current_collector("add_metric")
     if type(name) is not str or not name:
         _check_name("add_metric", name)
+    if reduce != "mean":
+        reduce = check_reduction(f"add_metric({name!r}, reduce=...)", reduce)
     if type(value) is not float and type(value) is not int:  # the common case, kept cheap
-        value = _metric_value(name, value)
+        value = _metric_value(name, value, reduce)
     collector.metrics[name] = value
+    if reduce != "mean":
+        collector.reduce[name] = reduce
+    elif collector.reduce:
+        collector.reduce.pop(name, None)
 
 
-def _metric_value(name: str, value: Any) -> Any:
+def _metric_value(name: str, value: Any, reduce: Reduction) -> Any:
     converted = value
     if isinstance(value, list | tuple):
         try:
@@ -127,12 +143,16 @@ def _metric_value(name: str, value: Any) -> Any:
         return converted
     if isinstance(converted, int | float):
         return converted
+    numeric_reduce = isinstance(reduce, str) and reduce != "last"
+    if not numeric_reduce and isinstance(converted, str | np.ndarray):
+        return converted  # e.g. a tag kept with reduce="last"
     what = type(value).__name__
     if isinstance(value, np.ndarray | torch.Tensor):
         what = f"{what} of dtype {value.dtype}"
     raise TypeError(
         f"add_metric({name!r}): expected a number, tensor, numeric numpy array or list of "
-        f"numbers, got {what} ({value!r:.60})"
+        f"numbers (a str or other array needs reduce='last' or a callable), got {what} "
+        f"({value!r:.60})"
     )
 
 

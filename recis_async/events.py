@@ -124,15 +124,18 @@ class AfterStep(StepEvent, frozen=True, kw_only=True):
     ``metrics``, ``trace`` and ``tracked`` are filled by the bus from the step collectors
     (:func:`~recis_async.add_metric` and friends) merged with what the publisher passed;
     ``samples`` is the batch size, so throughput is samples/s.  ``metrics`` values are
-    numbers, lists of numbers or numeric numpy arrays; ``tracked`` values numbers or lists;
+    numbers, str, lists or numpy arrays (no tensors); ``tracked`` values numbers or lists;
     ``trace`` values arrays or lists of one entry per row (checked against the table by the
-    trace hooks).
+    trace hooks).  ``reduce`` maps a metric to how an evaluation pass combines it
+    (``add_metric(..., reduce=...)``); metrics not named there are averaged, weighted by
+    ``samples``.
     """
 
     samples: NonNegativeInt = 0
     metrics: dict[str, Any] = msgspec.field(default_factory=dict)
     trace: dict[str, Any] = msgspec.field(default_factory=dict)
     tracked: dict[str, Any] = msgspec.field(default_factory=dict)
+    reduce: dict[str, Any] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Built once a step: written out as in StepEvent (whose checks are repeated here to
@@ -177,6 +180,9 @@ class AfterStep(StepEvent, frozen=True, kw_only=True):
                 if type(k) is not str or (type(x) is not float and type(x) is not int):
                     _check_values(self, "tracked", v, _is_tracked, _TRACKED)
                     break
+        v = self.reduce
+        if type(v) is not dict or v:  # rare: only add_metric(..., reduce=...) fills it
+            _check_values(self, "reduce", v, _is_reduction, _REDUCE, ValueError)
         if type(self) is not AfterStep:
             _validate(self, AfterStep)
 
@@ -191,7 +197,9 @@ class AfterTrain(Event, frozen=True, kw_only=True):
 
 
 class AfterEval(Event, frozen=True, kw_only=True):
-    """Evaluation finished; ``metrics`` are eval-only aggregates (numbers or arrays)."""
+    """Evaluation finished.  ``metrics``: every metric of the pass's steps combined over the
+    pass (and over ranks) as :class:`~recis_async.MetricAggregator` does (numbers or
+    arrays); ``steps``: the evaluation steps this rank ran."""
 
     is_train: bool = False
     global_step: NonNegativeInt = 0
@@ -260,17 +268,24 @@ def _bad(event: object, field: str, expected: str, value: object) -> Exception:
     )
 
 
-_METRIC = "a dict of str -> number, list of numbers or numeric numpy array"
+_METRIC = "a dict of str -> number, str, list or numpy array"
 _TRACE = "a dict of str -> numpy array or list (one entry per row)"
 _TRACKED = "a dict of str -> number or list"
+_REDUCE = "a dict of str -> 'mean', 'sum', 'max', 'min', 'last' or a callable"
 
 
 def _is_metric(value: object) -> bool:
-    if isinstance(value, int | float):
-        return True
-    if isinstance(value, list | tuple):
-        return all(isinstance(x, int | float) for x in value)
-    return isinstance(value, np.ndarray) and value.dtype.kind in "biuf"
+    # plain values only: tensors go through add_metric, which converts them; whether a
+    # value suits its reduction is add_metric's and the aggregator's concern
+    return isinstance(value, int | float | str | list | tuple | np.ndarray | np.generic)
+
+
+def _is_reduction(value: object) -> bool:
+    from .aggregate import REDUCTIONS  # aggregate imports this module
+
+    return (isinstance(value, str) and value in REDUCTIONS) or (
+        callable(value) and not isinstance(value, str)
+    )
 
 
 def _is_trace(value: object) -> bool:
@@ -295,6 +310,7 @@ def _check_values(
     values: object,
     accepts: Callable[[object], bool],
     expected: str,
+    error: type[Exception] = TypeError,
 ) -> None:
     """The slow path of a dict field: find the offending key or value and name it."""
     if not isinstance(values, dict):
@@ -307,7 +323,7 @@ def _check_values(
             )
         if not accepts(v):
             detail = f"{v.dtype} array" if isinstance(v, np.ndarray) else type(v).__name__
-            raise TypeError(
+            raise error(
                 f"{type(event).__name__}({field}=...): expected {expected}, got {detail} "
                 f"{v!r:.60} for {k!r}"
             )

@@ -171,9 +171,14 @@ async def test_add_metric_refuses_what_is_not_a_number_tensor_or_array() -> None
             with pytest.raises(
                 TypeError,
                 match=r"add_metric\('loss'\): expected a number, tensor, numeric numpy array "
-                rf"or list of numbers, got {shown}",
+                r"or list of numbers \(a str or other array needs reduce='last' or a callable\), "
+                rf"got {shown}",
             ):
                 add_metric("loss", bad)
+        add_metric("tag", "batch-3", reduce="last")  # a str the reduction can combine
+        add_metric("names", np.array(["a"]), reduce=lambda v: v[-1])
+        with pytest.raises(TypeError, match=r"add_metric\('tag'\): .* got NoneType"):
+            add_metric("tag", None, reduce="last")
 
 
 async def test_add_metric_keeps_numbers_and_converts_tensors_arrays_and_lists() -> None:

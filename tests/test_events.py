@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 import msgspec
 import numpy as np
 import pytest
+import torch
 
 from recis_async import events as ev
 from recis_async.events import AfterStep, BeforeStep, End, Error, Event, method_name
@@ -101,16 +102,22 @@ def test_step_fields_must_be_ints() -> None:
             r"OutOfData\(is_train=...\): expected bool, got int 1",
         ),
         (
-            lambda: AfterStep(metrics={"loss": "abc"}),
+            lambda: AfterStep(metrics={"loss": torch.tensor(0.5)}),
             TypeError,
-            r"AfterStep\(metrics=...\): expected .*, got str 'abc' for 'loss'",
+            r"AfterStep\(metrics=...\): expected .*, got Tensor tensor\(0.5000\) for 'loss'",
         ),
         (
             lambda: AfterStep(metrics={1: 0.5}),
             TypeError,
             r"AfterStep\(metrics=...\): expected .*, got key 1 \(int\)",
         ),
-        (lambda: AfterStep(metrics={"v": np.array(["a"])}), TypeError, r"got <U1 array .* for 'v'"),
+        (lambda: AfterStep(metrics={"v": None}), TypeError, r"got NoneType None for 'v'"),
+        (
+            lambda: AfterStep(reduce={"x": "avg"}),
+            ValueError,
+            r"AfterStep\(reduce=...\): expected a dict of str -> 'mean', .* or a callable, "
+            r"got str 'avg' for 'x'",
+        ),
         (
             lambda: AfterStep(trace={"a": 3}),
             TypeError,
@@ -127,9 +134,9 @@ def test_step_fields_must_be_ints() -> None:
             r"AfterEval\(steps=...\): expected int >= 0, got -1",
         ),
         (
-            lambda: ev.AfterEval(metrics={"auc": "high"}),
+            lambda: ev.AfterEval(metrics={"auc": {"a": 1}}),
             TypeError,
-            r"AfterEval\(metrics=...\): expected .*, got str 'high' for 'auc'",
+            r"AfterEval\(metrics=...\): expected .*, got dict \{'a': 1\} for 'auc'",
         ),
         (
             lambda: ev.BeforeEpoch(epoch="1"),
@@ -175,9 +182,12 @@ def test_every_builtin_field_is_checked_when_built(
         build()
 
 
-def test_metric_values_may_be_numbers_lists_and_numeric_arrays() -> None:
-    step = AfterStep(metrics={"n": 3, "flag": True, "xs": [0.1, 2], "v": np.zeros(2, np.float32)})
-    assert step.metrics["xs"] == [0.1, 2]
+def test_metric_values_may_be_plain_values() -> None:
+    step = AfterStep(
+        metrics={"n": 3, "flag": True, "xs": [0.1, 2], "v": np.zeros(2, np.float32), "tag": "a"},
+        reduce={"tag": "last", "n": max},
+    )
+    assert step.metrics["xs"] == [0.1, 2] and step.reduce["n"] is max
     assert ev.AfterEval(metrics={"loss": math.nan}).metrics["loss"] != 0
 
 

@@ -114,12 +114,12 @@ def test_no_metrics_and_odd_values(caplog: pytest.LogCaptureFixture) -> None:
         clock,
         1,
         dt=0.5,
-        metrics={"n": 3, "flag": True, "vec": np.array([1.0, 3.0]), "many": list(range(30))},
+        metrics={"n": 3, "flag": True, "vec": np.array([1.0, 3.0]), "note": "x" * 100},
     )
     plain, odd = _lines(caplog)
     assert set(plain) == {"mode", "gstep", "lstep", "qps", "sps"}
     assert odd["n"] == "3" and odd["flag"] == "True"
-    assert odd["vec"] == "array[2](mean=2)" and odd["many"].endswith("...")
+    assert odd["vec"] == "array[2](mean=2)" and odd["note"].endswith("...")
 
 
 def test_without_before_step_the_first_step_opens_the_window(
