@@ -29,6 +29,7 @@ from . import dist
 from .aggregate import MetricAggregator
 from .bus import HookBus
 from .collect import add_metric
+from .console import default_logging
 from .events import (
     AfterBackward,
     AfterData,
@@ -142,6 +143,10 @@ class Trainer:
     scheduler into ``args.output_dir`` every ``save_steps`` steps and at the end, keeping
     ``max_to_keep``.
     A :class:`ProgressBarHook` without a ``total`` gets the planned number of steps.
+
+    When the application configured no logging (no handler on the root or ``recis_async``
+    logger), a run shows the library's INFO lines on stderr, as
+    :func:`recis_async.enable_logging` would; configured logging is left alone.
     """
 
     def __init__(
@@ -272,6 +277,7 @@ class Trainer:
 
     @contextlib.asynccontextmanager
     async def _session(self) -> AsyncIterator[HookBus]:
+        default_logging()
         hooks = list(self.hooks)
         for default in (self.logger_hook, self.checkpoint_hook):
             if default is not None and not any(isinstance(h, type(default)) for h in hooks):

@@ -120,6 +120,21 @@ class TraceHook(Hook):
     def attach(self, bus: HookBus) -> None:
         bus.start_service(self._writer)
 
+    def outputs(self) -> dict[str, str]:
+        where = str(getattr(self.sink, "location", None) or self.sink.name)
+        stats = self._writer.stats()
+        if stats["batches"]:
+            where += f" ({stats['rows']} rows written)"
+        if stats["spill_files"]:
+            spilled = f"{stats['spilled_rows']} rows in {', '.join(stats['spill_files'])}"
+            return {"traces": where, "undelivered traces (see replay_spill)": spilled}
+        if stats["batches"]:
+            return {"traces": where}
+        return {
+            "traces": where,
+            "trace spill files (only if delivery fails)": str(self._writer.spill_dir.absolute()),
+        }
+
     async def after_step(self, event: AfterStep) -> None:
         if not event.trace or event.is_train is self._skip:
             return
