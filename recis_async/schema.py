@@ -259,11 +259,12 @@ def _check_1d(arr: np.ndarray) -> None:
 def _numeric(arr: np.ndarray, type_name: str) -> np.ndarray:
     dtype = _NUMPY_DTYPES[type_name]
     kind = arr.dtype.kind
-    if kind == "O":
-        try:
-            arr = np.array(arr.tolist())
-        except ValueError as exc:
-            raise _Reject(f"expected numbers, got object values ({exc})") from None
+    if kind == "O":  # e.g. a list holding None, or ints beyond 64 bits: name the first
+        items = arr.tolist()
+        unfit = _first_unfit(items, type_name)
+        if unfit:
+            raise _Reject(unfit)
+        arr = np.array(items, dtype=np.float64 if type_name in ("double", "float") else None)
         kind = arr.dtype.kind
     if type_name in ("bigint", "int"):
         if kind not in "iu":
@@ -291,6 +292,33 @@ def _numeric(arr: np.ndarray, type_name: str) -> np.ndarray:
         elif kind != "b":
             raise _Reject(f"expected bool values, got {arr.dtype}")
     return np.array(arr, dtype=dtype, copy=True)
+
+
+def _first_unfit(items: list[Any], type_name: str) -> str | None:
+    """Why ``items`` cannot be ``type_name`` values: the first non-number, or a number out
+    of the type's range (Python ints have no bound); None when they all fit."""
+    dtype = _NUMPY_DTYPES[type_name]
+    integral = type_name in ("bigint", "int")
+    for row, item in enumerate(items):
+        if isinstance(item, bool | np.bool_) or not isinstance(item, int | float | np.number):
+            if type_name == "boolean" and isinstance(item, bool | np.bool_):
+                continue
+            return f"expected numbers, got {type(item).__name__} ({item!r:.40}) at row {row}"
+        if isinstance(item, int):
+            low, high = (
+                (int(np.iinfo(dtype).min), int(np.iinfo(dtype).max))
+                if integral
+                else (-float(np.finfo(dtype).max), float(np.finfo(dtype).max))
+            )
+            if not low <= item <= high:
+                text = (
+                    str(item)
+                    if len(str(item)) <= 40
+                    else f"{str(item)[:20]}... ({len(str(item))} digits)"
+                )
+                bounds = f"[{low}, {high}]" if integral else f"[{low:.6g}, {high:.6g}]"
+                return f"expected values within {type_name} range {bounds}, got {text} at row {row}"
+    return None
 
 
 def _datetime(value: Any) -> np.ndarray:

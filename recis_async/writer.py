@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from ._checks import creatable_dir
 from .buffer import Batch
 from .schema import OdpsType
 from .service import yield_to_services
@@ -139,7 +140,10 @@ class TraceWriter:
         self._backoff = float(retry_backoff)
         self._max_backoff = float(max_backoff)
         self._commit_wait = float(commit_wait)
-        self._spill_dir = Path(spill_dir) if spill_dir is not None else Path.cwd() / "trace_spill"
+        # proven writable now: a spill that cannot be written is lost data, found too late
+        self._spill_dir = Path(
+            creatable_dir(owner, "spill_dir", "trace_spill" if spill_dir is None else spill_dir)
+        )
         self._source = source
         self._max_age = None if max_age is None else float(max_age)
         self._tx: MemoryObjectSendStream[Batch]

@@ -20,10 +20,21 @@ from recis_async.nn import (
     GlobalStepFilter,
     HashTable,
     PolicyRegistry,
+    _memory,
     attach_optimizer,
     register_admit_policy,
     register_filter_policy,
 )
+from recis_async.nn import hashtable as hashtable_module
+from recis_async.nn.slot_map import SlotMap
+
+
+@pytest.fixture(params=["native", "torch"])
+def id_map(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test on each id map: the native one, and the torch-ops fallback."""
+    if request.param == "torch":
+        monkeypatch.setattr(hashtable_module, "new_slot_map", SlotMap)
+    return str(request.param)
 
 
 def step_filter(n: int) -> FilterHook:
@@ -76,7 +87,7 @@ def test_default_initializer_is_zeros_and_bad_initializers_fail_at_construction(
     assert rows.std() > 0.1 and not torch.equal(rows[0], rows[1])
     with pytest.raises(ValueError, match="initializer.*shape"):
         HashTable(4, initializer=lambda t: torch.zeros(3))
-    with pytest.raises(ValueError, match="HashTable.initializer: expected a callable"):
+    with pytest.raises(ValueError, match=r"HashTable\(initializer=...\): expected a callable"):
         HashTable(4, initializer=0.1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="embedding_shape"):
         HashTable([4, 0])
@@ -84,6 +95,59 @@ def test_default_initializer_is_zeros_and_bad_initializers_fail_at_construction(
         HashTable(4, dtype=torch.int64)
     with pytest.raises(ValueError, match="ids: expected an integer tensor"):
         table(torch.tensor([1.0]))
+
+
+def test_bad_shapes_and_sizes_are_refused_before_allocating() -> None:
+    expected = r"HashTable\(embedding_shape=...\): expected a positive int or a non-empty sequence"
+    for bad, shown in ((4.0, "float 4.0"), ("64", "str '64'"), (True, "bool True"), (None, "None")):
+        with pytest.raises(ValueError, match=rf"{expected} of positive ints, got {shown}"):
+            HashTable(bad)  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError,
+        match=r"HashTable\(embedding_shape=1099511627776, capacity=1024\): 1024 rows of "
+        r"1099511627776 float32 values would take 4.0 PiB, more than this machine's .* of memory",
+    ):
+        HashTable(2**40)
+    with pytest.raises(ValueError, match=r"capacity=1099511627776\): .* would take 256.0 TiB"):
+        HashTable(64, capacity=2**40)
+
+
+def test_growth_beyond_the_machine_is_refused_naming_the_table(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    table = HashTable(4, name="user", capacity=16)
+    table(ids(*range(16)))
+    # a machine of 300 bytes: the 16 rows of 16 bytes fit, a growth to 24 rows does not
+    monkeypatch.setattr(hashtable_module, "_physical_memory", lambda: 300)
+    with pytest.raises(
+        ValueError,
+        match=r"HashTable 'user' growing to hold 17 ids: 24 rows of 4 float32 values would take "
+        r"384 B, more than this machine's 300 B of memory",
+    ):
+        table(ids(99))
+    assert table.ids_count() == 16 and table.capacity == 16
+    assert table(ids(3)).shape == (1, 4)  # the table stays usable
+
+
+def test_bad_clock_ids_and_registries_are_refused() -> None:
+    table = HashTable(4, filter_hook=FilterHook("GlobalStepFilter", {"filter_step": 1}))
+    with pytest.raises(
+        ValueError, match=r"HashTable.advance\(global_step=...\): expected an int >= 0, got -1"
+    ):
+        table.advance(-1)
+    with pytest.raises(
+        ValueError,
+        match=r"HashTable.scan_eviction\(now=...\): expected an int >= 0 or None, got 'x'",
+    ):
+        table.evict("x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"ids: expected a dense tensor holding ids, got one"):
+        table(torch.zeros(3).to_sparse().long())
+    with pytest.raises(
+        ValueError,
+        match=r"PolicyRegistry\(admit=...\): expected a mapping of name -> policy class or None, "
+        r"got int",
+    ):
+        PolicyRegistry(admit=3)  # type: ignore[arg-type]
 
 
 def test_dtype_follows_module_conversion() -> None:
@@ -132,7 +196,7 @@ def _trained_rows(table: HashTable, opt: torch.optim.Optimizer, batch: torch.Ten
     ],
     ids=["sgd", "sgd-momentum", "adam", "adagrad"],
 )
-def test_optimizer_changes_exactly_the_looked_up_rows(make) -> None:
+def test_optimizer_changes_exactly_the_looked_up_rows(make, id_map: str) -> None:
     table = HashTable(4, initializer=const(1.0), capacity=16)
     table(torch.arange(10))  # rows 0..9 exist
     opt = make(table.parameters())
@@ -326,7 +390,7 @@ def test_plan_made_before_a_load_is_ignored() -> None:
     assert table.apply_eviction(plan) == 0 and table.ids_count() == 4
 
 
-def test_eviction_in_a_thread_never_races_lookups() -> None:
+def test_eviction_in_a_thread_never_races_lookups(id_map: str) -> None:
     torch.manual_seed(1)
     table = HashTable(4, initializer=const(1.0), filter_hook=step_filter(2))
     stop = threading.Event()
@@ -358,8 +422,54 @@ def test_eviction_in_a_thread_never_races_lookups() -> None:
     assert len(table._free) + table.ids_count() == table._next
 
 
+def test_growth_past_huge_page_sizes_keeps_rows_and_optimizer_state() -> None:
+    """Rows and Adam state of a table grown from 16 rows through mappings of several MiB
+    equal those of a table that never grew; growth inside a mapping's reserve moves nothing
+    and every tensor's storage is exactly its size (a checkpoint carries no reserve)."""
+    torch.manual_seed(0)
+    init = lambda t: torch.nn.init.normal_(t)  # noqa: E731
+    grown, fixed = HashTable(64, capacity=16), HashTable(64, capacity=1 << 17)
+    opts = []
+    for table in (grown, fixed):
+        opt = torch.optim.Adam(table.parameters(), lr=0.01)
+        table.attach_optimizer(opt)
+        opts.append(opt)
+    g = torch.Generator().manual_seed(1)
+    growths = []  # (new capacity, whether the rows moved)
+    for _ in range(12):
+        batch = torch.randint(0, 1 << 30, (8000,), generator=g)
+        rows = init(torch.empty(batch.numel(), 64))
+        ptr, cap = grown.weight.data_ptr(), grown.capacity
+        for table, opt in zip((grown, fixed), opts, strict=True):
+            opt.zero_grad()
+            (table(batch) * rows).sum().backward()
+            opt.step()
+        if grown.capacity != cap:
+            growths.append((grown.capacity, grown.weight.data_ptr() != ptr))
+    assert grown.capacity < fixed.capacity and grown.ids_count() == fixed.ids_count()
+    everything = fixed.ids()
+    grown.eval()
+    fixed.eval()
+    torch.testing.assert_close(grown(everything), fixed(everything))
+    gs, fs = grown.lookup_slots(everything)[0], fixed.lookup_slots(everything)[0]
+    for key in ("exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(
+            opts[0].state[grown.weight][key][gs], opts[1].state[fixed.weight][key][fs]
+        )
+    if _memory._ADVICE is not None:  # Linux: growth within the reserve is in place
+        mapped = 0  # capacity when the current mapping was made
+        for new, moved in growths:
+            assert moved == (new > _memory._RESERVE * mapped), growths
+            mapped = new if moved else mapped
+        assert sum(not moved for _, moved in growths) >= 3, growths
+    assert grown.weight.untyped_storage().nbytes() == grown.weight.nbytes
+    buf = io.BytesIO()
+    torch.save(grown.state_dict(), buf)
+    assert len(buf.getvalue()) < grown.weight.nbytes * 1.2
+
+
 # ---------------------------------------------------------------- state
-def test_state_dict_round_trips_into_a_fresh_table() -> None:
+def test_state_dict_round_trips_into_a_fresh_table(id_map: str) -> None:
     torch.manual_seed(0)
     table = HashTable(
         [2, 2], initializer=lambda t: torch.nn.init.normal_(t), filter_hook=step_filter(4)

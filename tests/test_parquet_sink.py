@@ -145,11 +145,14 @@ def test_write_before_open_is_refused(tmp_path: Path) -> None:
         ({"table": "t", "partition": "1x=2"}, "partition: expected an identifier as key, got '1x'"),
         ({"table": "t", "partition": 5}, "partition: expected a string like"),
         ({"table": "t", "rank": -1}, "rank: expected an int >= 0 or None, got -1"),
+        ({"root": 3, "table": "t"}, "ParquetSink(root=...): expected a directory path, got 3"),
+        ({"root": "", "table": "t"}, "ParquetSink(root=...): expected a directory path, got ''"),
     ],
 )
 def test_constructor_validation(tmp_path: Path, kwargs: dict[str, object], message: str) -> None:
+    kwargs = {"root": tmp_path, **kwargs}
     with pytest.raises(ValueError) as info:
-        ParquetSink(tmp_path, **kwargs)  # type: ignore[arg-type]
+        ParquetSink(**kwargs)  # type: ignore[arg-type]
     assert message in str(info.value)
 
 

@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .. import dist
+from .._checks import dir_path
 from ..buffer import Batch
 from ..schema import OdpsType
 from .base import Attempt, SinkError, parse_partition
@@ -66,7 +67,7 @@ class ParquetSink:
             )
         if rank is not None and (type(rank) is not int or rank < 0):
             raise ValueError(f"rank: expected an int >= 0 or None, got {rank!r}")
-        self._root = Path(root)
+        self._root = Path(dir_path("ParquetSink", "root", root))  # proven writable by open()
         self._table = table
         self._partition = parse_partition(partition)
         self._rank = rank
