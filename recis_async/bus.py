@@ -90,6 +90,7 @@ class HookBus:
         self._hurry = False  # a second signal: close without waiting
         self._close_scope: anyio.CancelScope | None = None
         self._service_scopes: list[anyio.CancelScope] = []
+        self._signal_scope: anyio.CancelScope | None = None
         self._last_yield = 0.0
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -122,6 +123,8 @@ class HookBus:
         finally:
             for scope in self._service_scopes:  # every service returned already, normally
                 scope.cancel()
+            if self._signal_scope is not None:
+                self._signal_scope.cancel()
             tg.cancel_scope.cancel()
             if isinstance(exc, anyio.get_cancelled_exc_class()):
                 # Our own cancel scope (a second signal) swallows its cancellation here; an
@@ -236,10 +239,20 @@ class HookBus:
             )
 
     async def _watch_signals(self, *, task_status: TaskStatus[None]) -> None:
-        """First SIGTERM/SIGINT: stop at the next step boundary; second: close at once."""
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        """First SIGTERM/SIGINT: stop at the next step boundary; second: close at once.
+
+        Shielded, so cancelling the body does not end it: it keeps the handlers installed
+        until close is done (else a third SIGINT would raise ``KeyboardInterrupt`` and a
+        SIGTERM would kill the process in the middle of spilling)."""
+        with (
+            anyio.CancelScope(shield=True) as scope,
+            anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals,
+        ):
+            self._signal_scope = scope
             task_status.started()
             async for signum in signals:
+                if self._hurry:
+                    continue  # closing at once already
                 if self._signal is None:
                     self._signal = int(signum)
                     logger.warning(
@@ -253,7 +266,7 @@ class HookBus:
                 logger.warning("second stop signal: closing at once, spilling what is left")
                 self._hurry = True
                 if self._state == "open" and self._tg is not None:
-                    self._tg.cancel_scope.cancel()  # cancels the body (and this task)
+                    self._tg.cancel_scope.cancel()  # cancels the body (not this shielded task)
                 elif self._close_scope is not None:
                     self._close_scope.deadline = -math.inf
 

@@ -176,11 +176,7 @@ def add_to_trace(name: str, value: Any) -> None:
     elif isinstance(value, np.ndarray):
         array = value.copy()
     elif isinstance(value, list):
-        try:
-            array = np.asarray(value)
-        except ValueError:  # ragged rows, e.g. for an array<...> column
-            array = np.empty(len(value), dtype=object)
-            array[:] = [np.asarray(row) for row in value]
+        array = _list_array(value)
     else:
         raise ValueError(
             f"add_to_trace({name!r}): expected a torch.Tensor, numpy.ndarray or list, "
@@ -192,6 +188,21 @@ def add_to_trace(name: str, value: Any) -> None:
         )
     array.flags.writeable = False  # ours alone: hooks may keep it without another copy
     collector.trace[name] = array
+
+
+def _list_array(value: list[Any] | tuple[Any, ...]) -> np.ndarray:
+    """A list as an array; ragged rows as an object array of rows.  Text stays Python
+    objects: numpy's fixed-width ``U``/``S`` arrays drop trailing NUL characters."""
+    try:
+        array = np.asarray(value)
+    except ValueError:  # ragged rows (for an array<...> column), or non-UTF-8 bytes beside str
+        array = np.empty(len(value), dtype=object)
+        for i, row in enumerate(value):
+            array[i] = _list_array(row) if isinstance(row, (list, tuple)) else row
+        return array
+    if array.dtype.kind in "SU":
+        array = np.array(value, dtype=object)
+    return array
 
 
 def _tensor_copy(caller: str, name: str, value: torch.Tensor) -> np.ndarray:

@@ -17,7 +17,7 @@ bigint, int        integer arrays whose values fit int64 / int32
 double, float      integer or floating-point arrays (stored as float64 / float32)
 boolean            bool arrays, or integer arrays holding only 0 and 1
 string             str values (numpy ``U`` arrays, lists); bytes must be valid UTF-8
-binary             bytes values (numpy ``S`` arrays, lists), or a 2-D uint8 array
+binary             bytes values (lists, object or ``S`` arrays), or a 2-D uint8 array
                    ``(rows, n)`` giving ``n`` bytes per row; str is stored as UTF-8
 datetime           ``datetime64`` arrays or naive ``datetime.datetime`` values, kept at
                    millisecond precision as naive (local wall-clock) times, which is how
@@ -27,6 +27,9 @@ array<T>           a 2-D array ``(rows, n)`` (one array of ``n`` elements per ro
 =================  ===================================================================
 
 Missing values (``None``, ``NaT``) are refused: trace rows are complete by construction.
+Text is kept byte for byte, NUL characters included; only numpy's fixed-width ``U``/``S``
+arrays cannot hold trailing NULs (numpy drops them itself), so pass such values as lists or
+object arrays (``add_to_trace`` keeps lists of text as objects).
 
 Converted data is copied, so later changes to the caller's arrays do not reach the trace --
 except for contiguous, read-only arrays of exactly the stored dtype that own their memory
@@ -360,6 +363,10 @@ def _text(value: Any, type_name: str) -> tuple[np.ndarray, np.ndarray]:
         if value.dtype.kind not in "USO":
             expected = "str values" if type_name == "string" else "bytes values"
             raise _Reject(f"expected {expected}, got {value.dtype}")
+        if value.dtype.kind != "O":
+            # pyarrow reads numpy's fixed-width U/S items only up to their first NUL (and
+            # U items as raw UCS-4 for binary): hand it the items as Python objects instead
+            value = value.tolist()
     try:
         arr = pa.array(value, type=_ARROW_SCALARS[type_name], from_pandas=False)
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
@@ -415,10 +422,14 @@ def _array(value: Any, type_: OdpsType) -> Column:
             raise _Reject(
                 f"expected a 2-D array or a sequence of sequences, got {_describe(value)}"
             )
+        rows = value
         try:
-            value = np.asarray(value)
+            value = np.asarray(rows)
         except ValueError:  # ragged rows
-            value = np.array(list(value) + [None], dtype=object)[:-1]
+            value = np.array(list(rows) + [None], dtype=object)[:-1]
+        else:
+            if value.dtype.kind in "SU":  # keep text as objects: U/S drop trailing NULs
+                value = np.array(rows, dtype=object)
     if value.ndim == 2:
         rows, width = value.shape
         if rows * width > _OFFSET_MAX:
@@ -488,7 +499,8 @@ def freeze(value: np.ndarray) -> np.ndarray:
 def _fast(type_: OdpsType, value: np.ndarray) -> Column | None:
     """The common case without checks: a numeric array already of the stored dtype."""
     element = type_.element
-    if value.dtype != _FAST_DTYPES.get((element or type_).name):
+    dtype = _FAST_DTYPES.get((element or type_).name)
+    if dtype is None or value.dtype != dtype:  # (a float64 dtype equals None)
         return None
     if element is None:
         if value.ndim == 1:

@@ -422,6 +422,7 @@ class TraceWriter:
             # already under way end so its outcome is known, keep what was not delivered
             self._closing = True
             self._deadline = -math.inf
+            self._tx.close()  # idle workers return instead of waiting for more batches
             for scope in list(self._scopes):
                 scope.cancel()
             with anyio.CancelScope(shield=True):
@@ -460,10 +461,9 @@ class TraceWriter:
         def left() -> float:
             return max(0.0, deadline - anyio.current_time())
 
+        # Seal and register the remainder before the first await: a cancellation there (a
+        # second stop signal) must find it pending, or the spill in aclose would miss it.
         remainder = self._source.seal() if self._source is not None else None
-        with anyio.move_on_after(left()):
-            await self._running.wait()  # let run() start if the bus never yielded to it
-        workers_alive = self._running.is_set() and not self._finished.is_set()
         if remainder is not None:
             self._pending[id(remainder)] = remainder  # the backlog pass below takes it if
             try:  # the workers cannot (they may be cancelled along with the bus)
@@ -471,6 +471,9 @@ class TraceWriter:
             except anyio.WouldBlock:
                 pass
         self._closing = True
+        with anyio.move_on_after(left()):
+            await self._running.wait()  # let run() start if the bus never yielded to it
+        workers_alive = self._running.is_set() and not self._finished.is_set()
         self._deadline = deadline
         for scope in list(self._scopes):
             scope.deadline = deadline

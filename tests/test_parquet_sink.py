@@ -159,3 +159,19 @@ def test_constructor_validation(tmp_path: Path, kwargs: dict[str, object], messa
 def test_partition_may_be_a_mapping(tmp_path: Path) -> None:
     sink = ParquetSink(tmp_path, "t", {"dt": 20261122, "hour": "07"})
     assert sink.directory == tmp_path / "t" / "dt=20261122" / "hour=07"
+
+
+@pytest.mark.parametrize("partition", ["a=5", "dt=1,A=5"])
+def test_a_partition_key_named_like_a_field_is_refused_at_the_call(
+    tmp_path: Path, partition: str
+) -> None:
+    """Readers restore partition keys as columns: a field of the same name made the dataset
+    unreadable ("Unable to merge: Field a has incompatible types")."""
+    from recis_async.hooks import TraceHook
+
+    sink = ParquetSink(tmp_path, "tp", partition)
+    with pytest.raises(ValueError, match=r"TraceHook\(fields=...\): field 'a' .*key .*table 'tp'"):
+        TraceHook(sink, ["a", "b"], ["bigint", "bigint"])
+    with pytest.raises(ValueError, match=r"field 'a' .*partition key .*table 'tp'"):
+        sink.open(("a",), (parse_type("bigint"),))
+    TraceHook(sink, ["b"], ["bigint"])  # other names are fine
