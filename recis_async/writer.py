@@ -351,6 +351,8 @@ class TraceWriter:
         )
         self._pending[id(batch)] = batch
         self._held[id(batch)] = SpillEntry(batch, token)
+        if self._last_error is None:  # every delivery error names a cause, this one at least
+            self._last_error = f"batch {batch.seq}: {why}"
 
     async def _open_early(self) -> None:
         """Open the sink when the bus starts: the first batch does not wait for it, and a bad
@@ -359,6 +361,7 @@ class TraceWriter:
         try:
             await self._ensure_open(self._source.fields, self._source.types)
         except Exception as exc:
+            self._last_error = f"{type(exc).__name__}: {exc}"
             logger.warning(
                 "%s: cannot open the sink yet (retried with the first batch): %s", self.name, exc
             )
