@@ -443,8 +443,9 @@ class TraceWriter:
                 f"{self.name}: {self._stats['spilled']} batch(es) ({self._stats['spilled_rows']} "
                 f"rows) were not delivered ({kinds}; {self._stats['batches']} delivered) and "
                 f"were spilled "
-                f"to {', '.join(map(str, files))}; replay them with "
-                f"recis_async.spill.replay_spill(path, sink). Last error: {self._last_error}",
+                f"to {', '.join(map(str, files))}; replay them with `python -m "
+                f"recis_async.spill replay FILE --parquet ROOT` (or --odps-config cfg.json) "
+                f"or recis_async.spill.replay_spill(path, sink). Last error: {self._last_error}",
                 spilled_batches=self._stats["spilled"],
                 spilled_rows=self._stats["spilled_rows"],
                 spill_files=files,

@@ -5,8 +5,11 @@ connections.  All against pyodps's real client and the loopback service."""
 from __future__ import annotations
 
 import logging
+import os
 import re
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -359,3 +362,27 @@ async def test_a_deadline_during_the_first_upload_still_names_the_cause(
     message = str(info.value)
     assert "None" not in message
     assert "Last error: batch 0: the close deadline passed during its upload" in message
+
+
+def test_redacting_a_huge_record_takes_linear_time() -> None:
+    """pyodps logs whole response bodies at DEBUG: a long run of word characters must not
+    make the redactor backtrack quadratically (it did: ~50 s for 20 kB, hours for 1 MB).
+    In a subprocess, so a regression fails by timeout instead of stalling the suite."""
+    script = (
+        "import logging\n"
+        "from recis_async.sinks.odps import _Redactor\n"
+        "r = _Redactor.register(logging.getLogger('odps.rest'), object(), ('k3y',))\n"
+        "record = logging.LogRecord('odps.rest', 10, 'f', 1, 'body: %s', ('A' * 1_000_000 "
+        "+ ' k3y token=abc',), None)\n"
+        "r.filter(record)\n"
+        "print(record.getMessage()[-15:])\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "A *** token=***\n"
