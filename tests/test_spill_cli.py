@@ -250,12 +250,13 @@ def test_a_replay_failing_midway_is_rerun_without_duplicates(
     assert sorted(r["id"] for r in read_with_pyodps(server, "t", "dt=1")) == list(range(ROWS))
 
 
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
 def test_a_killed_replay_is_rerun_without_duplicates(
-    spill_file: Path, tmp_path: Path, server: OdpsServer
+    spill_file: Path, tmp_path: Path, server: OdpsServer, sig: signal.Signals
 ) -> None:
-    """SIGKILL while the second batch's commit is under way: the commit lands after the
-    process died; the rerun finds it applied (the journal named its upload session) and
-    sends only the third batch."""
+    """SIGKILL (or Ctrl-C) while the second batch's commit is under way: the commit lands
+    after the process stopped; the rerun finds it applied (the journal named its upload
+    session) and sends only the third batch."""
     config = odps_config(tmp_path, server)
     server.inject("commit", "slow:2", after=1)
     base = {k: v for k, v in os.environ.items() if not k.startswith("ALIBABA_CLOUD_")}
@@ -263,17 +264,26 @@ def test_a_killed_replay_is_rerun_without_duplicates(
         [sys.executable, "-m", "recis_async.spill", "replay", str(spill_file)]
         + ["--odps-config", str(config)],
         env={**base, "PYTHONPATH": str(ROOT), **ENV},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     journal = journal_path(spill_file)
-    deadline = time.monotonic() + 60
-    while '"seq": 1, "token"' not in (journal.read_text() if journal.exists() else ""):
+    deadline = time.monotonic() + 90
+    while server.counts("commit") < 2:  # the second commit reached the server (it waits 2 s)
         assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    while server.counts("commit") < 2 or len(server.committed("t", "dt=1")) < 16:
+        time.sleep(0.01)
+    os.kill(proc.pid, sig)
+    out, err = proc.communicate(timeout=60)
+    if sig == signal.SIGINT:
+        assert proc.returncode == 130 and out == ""
+        assert err == (
+            "spill replay: interrupted; run the same command again to continue "
+            "(nothing is delivered twice)\n"
+        )
+    assert '"seq": 1, "token"' in journal.read_text()  # recorded before the commit was sent
+    while len(server.committed("t", "dt=1")) < 16:
+        assert time.monotonic() < deadline
         time.sleep(0.05)  # the server applies the commit the dead process had sent
     assert json.loads(cli("inspect", spill_file, "--json").stdout)["in_doubt"] != []
 
