@@ -9,7 +9,8 @@ while) and the dense features.
 Every hook of the catalogue that a RecIS job uses is on the bus: logging, experiment tracking
 (JSONL), sample traces (Parquet by default, ODPS when ``ODPS_PROJECT`` and the other settings
 below are in the environment), metric reports, hash-table filtering, checkpoints, a profiler
-window and a progress bar.  At the end it prints the held-out AUC and where everything went.
+window and a progress bar.  The library logs where each output goes as the run starts and
+sums them up at the end (stderr); the script then prints the held-out AUC.
 
     python examples/train_ctr.py [--steps 2000] [--output-dir output/ctr] [--seed 7]
 
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import logging
 import os
 import sys
 import time
@@ -150,7 +150,7 @@ def auc(labels: np.ndarray, scores: np.ndarray) -> float:
     return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
 
-def trace_hook(out: Path) -> tuple[Hook, str]:
+def trace_hook(out: Path) -> Hook:
     """TraceToOdpsHook when ODPS settings are in the environment, else Parquet files."""
     env = os.environ
     if env.get("ODPS_PROJECT") and env.get("ODPS_ENDPOINT"):
@@ -162,11 +162,9 @@ def trace_hook(out: Path) -> tuple[Hook, str]:
         }
         if env.get("ODPS_TUNNEL_ENDPOINT"):
             config["tunnel_endpoint"] = env["ODPS_TUNNEL_ENDPOINT"]
-        hook = TraceToOdpsHook(config, TRACE_FIELDS, TRACE_TYPES, size_threshold=4 << 20)
-        where = f"ODPS table {config['project']}.{config['table_name']} ({config['partition']})"
-        return hook, where
+        return TraceToOdpsHook(config, TRACE_FIELDS, TRACE_TYPES, size_threshold=4 << 20)
     sink = ParquetSink(out / "trace", "ctr_samples", f"dt={datetime.date.today():%Y%m%d}")
-    return TraceHook(sink, TRACE_FIELDS, TRACE_TYPES, size_threshold=4 << 20), str(out / "trace")
+    return TraceHook(sink, TRACE_FIELDS, TRACE_TYPES, size_threshold=4 << 20)
 
 
 async def main(steps: int, out: Path, seed: int) -> float:
@@ -190,11 +188,10 @@ async def main(steps: int, out: Path, seed: int) -> float:
         "seed": seed,
     }
 
-    tracer, trace_where = trace_hook(out)
     hooks: list[Hook] = [
         LoggerHook(log_step=100),
         MLTrackerHook("ctr", f"seed-{seed}", hparams, tracker=JsonlTracker(out / "runs")),
-        tracer,
+        trace_hook(out),
         MetricReportHook(model, ReportArguments(interval_step=200)),
         HashTableFilterHook(100, model=model),
         ProfilerHook(wait=20, warmup=5, active=2, repeat=1, output_dir=out / "timeline"),
@@ -235,18 +232,12 @@ async def main(steps: int, out: Path, seed: int) -> float:
         f"held-out AUC: {held_out_auc:.3f}  (0.5 is chance; the true click probabilities "
         f"score {ceiling:.3f})"
     )
-    print(f"traces:      {trace_where}")
-    print(f"metrics:     {out / 'runs'} (params.json, metrics.jsonl)")
-    print(f"checkpoints: {out / 'checkpoints'}")
-    print(f"profiles:    {out / 'timeline'}")
     users, items = model.user.table.ids_count(), model.item.table.ids_count()
     print(f"ids in the tables: {users} users, {items} items")
     return held_out_auc
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("recis_async.hooks").setLevel(logging.INFO)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--output-dir", type=Path, default=Path("output/ctr"))

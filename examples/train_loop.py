@@ -6,12 +6,11 @@ python examples/train_loop.py --steps 200
 from __future__ import annotations
 
 import argparse
-import logging
 
 import anyio
 import torch
 
-from recis_async import Hook, HookBus, add_metric
+from recis_async import Hook, HookBus, add_metric, enable_logging
 from recis_async.events import AfterStep, BeforeStep, End, Start
 
 
@@ -57,7 +56,7 @@ async def main(steps: int) -> None:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO)
+    enable_logging()  # the library's INFO lines on stderr; an own loop asks for them
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=200)
     anyio.run(main, parser.parse_args().steps)

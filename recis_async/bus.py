@@ -29,6 +29,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from . import dist
 from .collect import StepCollector, _current
+from .console import TRACEBACKS_LOGGED, log_failure
 from .errors import HookError
 from .events import LIFECYCLE, AfterStep, BeforeStep, End, Error, Event, OutOfData, method_name
 from .hook import RESERVED_NAMES, Hook, OnError
@@ -168,6 +169,7 @@ class HookBus:
                 await self._publish_end(exc, deadline, errors)
             for service in reversed(self._services):
                 await self._close_service(service, deadline, errors)
+        self._log_close_summary()
         errors.extend(self._failures)
         self._failures.clear()
         self._collector.open = False
@@ -326,6 +328,8 @@ class HookBus:
                 sub.remove()
             self._hooks.remove(hook)
             raise
+        for what, where in _outputs(hook).items():
+            logger.info("%s writes %s to %s", type(hook).__name__, what, where)
 
     def start_service(self, service: Service) -> None:
         """Run ``service`` in the bus's task group until close (started at enter if not open)."""
@@ -583,19 +587,45 @@ class HookBus:
                 raise err
             errors.append(err)
             return
-        logger.error(
-            "%s failed on %s (on_error=%s)", sub.name, event_name, sub.on_error, exc_info=exc
-        )
         if sub.on_error == "disable":
+            logger.error(
+                "%s failed on %s (on_error=disable): unsubscribed",
+                sub.name,
+                event_name,
+                exc_info=exc,
+            )
             sub.remove()
+        else:
+            log_failure(
+                logger, sub.errors, exc, "%s failed on %s (on_error=log)", sub.name, event_name
+            )
+
+    def _log_close_summary(self) -> None:
+        """Subscribers whose failures were only counted, and where every hook wrote."""
+        for sub in self._subs:
+            if sub.on_error == "log" and sub.errors > TRACEBACKS_LOGGED:
+                logger.warning(
+                    "%s failed %d times on %s (on_error=log)",
+                    sub.name,
+                    sub.errors,
+                    sub.event_type.__name__,
+                )
+        lines = [
+            f"  {what} ({type(hook).__name__}): {where}"
+            for hook in self._hooks
+            for what, where in _outputs(hook).items()
+        ]
+        if lines:
+            logger.info("outputs of this run:\n%s", "\n".join(lines))
 
     def _with_collected(self, event: AfterStep) -> AfterStep:
-        metrics, trace, tracked = self._collector.take()
+        metrics, trace, tracked, reduce = self._collector.take()
         return msgspec.structs.replace(
             event,
             metrics={**metrics, **event.metrics} if event.metrics else metrics,
             trace={**trace, **event.trace} if event.trace else trace,
             tracked={**tracked, **event.tracked} if event.tracked else tracked,
+            reduce={**reduce, **event.reduce} if event.reduce else reduce,
         )
 
     # ------------------------------------------------------------------ control
@@ -665,6 +695,15 @@ def _event_types() -> Iterator[type[Event]]:
         if cls not in seen:
             seen.add(cls)
             yield cls
+
+
+def _outputs(hook: Hook) -> dict[str, str]:
+    """``hook.outputs()``; a failing one is logged, never breaks the run."""
+    try:
+        return dict(hook.outputs())
+    except Exception as exc:
+        logger.warning("%r.outputs() failed: %s: %s", hook, type(exc).__name__, exc)
+        return {}
 
 
 def _check_on_error(value: object, field: str) -> OnError:

@@ -15,16 +15,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from .aggregate import Reduction, check_reduction
+
 __all__ = ["StepCollector", "add_metric", "add_to_ml_tracker", "add_to_trace", "current_collector"]
 
 
 class StepCollector:
     """What one step collected; owned by one bus."""
 
-    __slots__ = ("is_train", "metrics", "open", "trace", "tracked")
+    __slots__ = ("is_train", "metrics", "open", "reduce", "trace", "tracked")
 
     def __init__(self) -> None:
         self.metrics: dict[str, Any] = {}
+        self.reduce: dict[str, Any] = {}  # only metrics added with a reduction other than mean
         self.trace: dict[str, Any] = {}
         self.tracked: dict[str, Any] = {}
         self.open = True
@@ -41,10 +44,10 @@ class StepCollector:
     def pending(self) -> bool:
         return bool(self.metrics or self.trace or self.tracked)
 
-    def take(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-        """Hand over the step's values and start empty."""
-        taken = (self.metrics, self.trace, self.tracked)
-        self.metrics, self.trace, self.tracked = {}, {}, {}
+    def take(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """Hand over the step's metrics, trace, tracked values and reductions; start empty."""
+        taken = (self.metrics, self.trace, self.tracked, self.reduce)
+        self.metrics, self.trace, self.tracked, self.reduce = {}, {}, {}, {}
         return taken
 
 
@@ -81,11 +84,21 @@ def _scalar_or_array(value: Any) -> Any:
     return value
 
 
-def add_metric(name: str, value: Any) -> None:
-    """Record a metric for the current step (``AfterStep.metrics``)."""
-    current_collector("add_metric").metrics[_check_name("add_metric", name)] = _scalar_or_array(
-        value
-    )
+def add_metric(name: str, value: Any, reduce: Reduction = "mean") -> None:
+    """Record a metric for the current step (``AfterStep.metrics``).
+
+    ``reduce`` says how the values of an evaluation pass combine into ``AfterEval.metrics``
+    (Lightning's ``reduce_fx``): ``"mean"`` (weighted by ``AfterStep.samples``), ``"sum"``,
+    ``"max"``, ``"min"``, ``"last"``, or a callable given every step's value as a 1-D numpy
+    array; see :class:`~recis_async.aggregate.MetricAggregator`.
+    """
+    collector = current_collector("add_metric")
+    _check_name("add_metric", name)
+    collector.metrics[name] = _scalar_or_array(value)
+    if reduce != "mean":
+        collector.reduce[name] = check_reduction(f"add_metric({name!r}, reduce=...)", reduce)
+    elif collector.reduce:
+        collector.reduce.pop(name, None)
 
 
 def add_to_trace(name: str, value: Any) -> None:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import pickle
+from typing import Any
 
 DEFAULT_TIMEOUT = 300.0
 """Seconds a library collective waits for the other ranks before naming this one and failing."""
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "all_gather_object",
     "all_reduce_max",
     "all_reduce_mean",
     "barrier",
@@ -79,6 +82,29 @@ def all_reduce_mean(values: dict[str, float], *, timeout: float, what: str) -> d
     _wait(work, timeout, what)
     size = tdist.get_world_size()
     return {n: float(v) / size for n, v in zip(names, tensor.tolist(), strict=True)}
+
+
+def all_gather_object(obj: object, *, timeout: float, what: str) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order; blocking, so call it from a worker
+    thread.  Unlike ``torch.distributed.all_gather_object`` it honours ``timeout``."""
+    import torch
+    import torch.distributed as tdist
+
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    size = tdist.get_world_size()
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    work = tdist.all_gather(lengths, torch.tensor([payload.numel()]), async_op=True)
+    _wait(work, timeout, what)
+    longest = max(int(n) for n in lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    chunks = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
+    work = tdist.all_gather(chunks, padded, async_op=True)
+    _wait(work, timeout, what)
+    return [
+        pickle.loads(chunk[: int(n)].numpy().tobytes())
+        for chunk, n in zip(chunks, lengths, strict=True)
+    ]
 
 
 def barrier(*, timeout: float, what: str) -> None:

@@ -104,13 +104,16 @@ class AfterStep(StepEvent, frozen=True, kw_only=True):
 
     ``metrics``, ``trace`` and ``tracked`` are filled by the bus from the step collectors
     (:func:`~recis_async.add_metric` and friends) merged with what the publisher passed;
-    ``samples`` is the batch size, so throughput is samples/s.
+    ``samples`` is the batch size, so throughput is samples/s.  ``reduce`` maps a metric to
+    how an evaluation pass combines it (``add_metric(..., reduce=...)``); metrics not named
+    there are averaged, weighted by ``samples``.
     """
 
     samples: int = 0
     metrics: dict[str, Any] = msgspec.field(default_factory=dict)
     trace: dict[str, Any] = msgspec.field(default_factory=dict)
     tracked: dict[str, Any] = msgspec.field(default_factory=dict)
+    reduce: dict[str, Any] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         StepEvent.__post_init__(self)
@@ -127,7 +130,9 @@ class AfterTrain(Event, frozen=True, kw_only=True):
 
 
 class AfterEval(Event, frozen=True, kw_only=True):
-    """Evaluation finished; ``metrics`` are eval-only aggregates."""
+    """Evaluation finished.  ``metrics``: every metric of the pass's steps combined over the
+    pass (and over ranks) as :class:`~recis_async.MetricAggregator` does; ``steps``: the
+    evaluation steps this rank ran."""
 
     is_train: bool = False
     global_step: int = 0

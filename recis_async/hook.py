@@ -64,6 +64,12 @@ class Hook:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
 
+    def outputs(self) -> dict[str, str]:
+        """Where this hook writes, ``{what: where}``: an absolute path, or a table and its
+        partition; never credentials.  The bus logs each entry at INFO when the hook is added
+        and again, as a summary, when it closes (called again then: it may be more precise)."""
+        return {}
+
     # One method per event.  The base versions do nothing and are never subscribed.
     def start(self, event: Start) -> Any: ...
     def window_mode(self, event: WindowMode) -> Any: ...
@@ -93,6 +99,7 @@ RESERVED_NAMES = frozenset(
         "attach",
         "state_dict",
         "load_state_dict",
+        "outputs",
         "state_key",
         "priority",
         "on_error",

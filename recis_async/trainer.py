@@ -16,9 +16,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
+import numbers
 import os
-from collections.abc import AsyncIterator, Iterable, Sequence, Sized
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence, Sized
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 import anyio
@@ -26,8 +26,10 @@ import msgspec
 import torch
 
 from . import dist
+from .aggregate import MetricAggregator
 from .bus import HookBus
 from .collect import add_metric
+from .console import default_logging
 from .events import (
     AfterBackward,
     AfterData,
@@ -48,6 +50,7 @@ from .hook import Hook
 from .hooks.checkpoint import CheckpointSaverHook, restore_checkpoint
 from .hooks.logger import LoggerHook
 from .hooks.progress import ProgressBarHook
+from .priority import Priority
 
 __all__ = ["Trainer", "TrainingArguments", "WindowedDataset"]
 
@@ -127,10 +130,12 @@ def batch_size(batch: Any) -> int:
 class Trainer:
     """Runs ``model`` over ``train_dataset`` publishing the reference events on a bus.
 
-    ``model(batch)`` returns the scalar loss tensor.  ``dense_optimizers`` is
-    ``(optimizer, lr_scheduler)``; either may be ``None`` (no optimizer: evaluation only).
-    Without ``bus`` each of :meth:`train`, :meth:`evaluate`, :meth:`train_and_evaluate` opens
-    and closes its own :class:`HookBus` with ``hooks`` added.
+    ``model(batch)`` returns the scalar loss tensor, or a dict with ``"loss"`` whose other
+    one-element entries become metrics (HF's convention; larger ones such as logits are not
+    metrics and are left out), or a tuple/list whose first item is the loss.
+    ``dense_optimizers`` is ``(optimizer, lr_scheduler)``; either may be ``None`` (no
+    optimizer: evaluation only).  Without ``bus`` each of :meth:`train`, :meth:`evaluate`,
+    :meth:`train_and_evaluate` opens and closes its own :class:`HookBus` with ``hooks`` added.
 
     Unless ``hooks`` hold their own, the trainer adds a :class:`LoggerHook` logging every
     ``args.log_steps`` steps (``logger_hook``) and, when ``args.save_steps`` is set, a
@@ -138,6 +143,10 @@ class Trainer:
     scheduler into ``args.output_dir`` every ``save_steps`` steps and at the end, keeping
     ``max_to_keep``.
     A :class:`ProgressBarHook` without a ``total`` gets the planned number of steps.
+
+    When the application configured no logging (no handler on the root or ``recis_async``
+    logger), a run shows the library's INFO lines on stderr, as
+    :func:`recis_async.enable_logging` would; configured logging is left alone.
     """
 
     def __init__(
@@ -183,6 +192,7 @@ class Trainer:
         self.bus = bus
         self.global_step = 0
         self.epoch = 0
+        self._last_eval: dict[str, Any] = {}
         self._distributed = False  # set when a loop starts: the process group may come later
         self.logger_hook = LoggerHook(log_step=args.log_steps)
         self.checkpoint_hook: CheckpointSaverHook | None = None
@@ -216,8 +226,14 @@ class Trainer:
             await self._restore(bus, resume_from_checkpoint)
             await self._train_loop(bus, evaluate=False)
 
-    async def evaluate(self) -> dict[str, float]:
-        """Run ``eval_dataset`` once (at most ``eval_steps`` steps); returns the eval metrics."""
+    async def evaluate(self) -> dict[str, Any]:
+        """Run ``eval_dataset`` once (at most ``eval_steps`` steps); returns the eval metrics.
+
+        Every metric the eval steps added (``add_metric``, the model's dict entries, the
+        ``loss``) is aggregated over the pass -- by default the mean weighted by the batches'
+        sizes, else as ``add_metric(..., reduce=...)`` asked -- and over every rank in a
+        distributed run; the result is also published as ``AfterEval.metrics``.
+        """
         if self.eval_dataset is None:
             raise ValueError("Trainer.evaluate(): eval_dataset is None")
         async with self._session() as bus:
@@ -226,9 +242,10 @@ class Trainer:
 
     async def train_and_evaluate(
         self, resume_from_checkpoint: bool | str | os.PathLike[str] = False
-    ) -> None:
+    ) -> dict[str, Any]:
         """Train, evaluating after every epoch (after every window for windowed data);
-        ``resume_from_checkpoint`` as in :meth:`train`."""
+        ``resume_from_checkpoint`` as in :meth:`train`.  Returns the last evaluation's metrics
+        as :meth:`evaluate` does (empty when a stop came before any evaluation)."""
         self._require_training()
         if self.eval_dataset is None:
             raise ValueError("Trainer.train_and_evaluate(): eval_dataset is None")
@@ -236,7 +253,9 @@ class Trainer:
         async with self._session() as bus:
             await bus.publish(Start(is_train=True))
             await self._restore(bus, resume_from_checkpoint)
+            self._last_eval = {}
             await self._train_loop(bus, evaluate=True)
+        return self._last_eval
 
     # ------------------------------------------------------------------ the loops
     def _require_training(self) -> None:
@@ -247,6 +266,7 @@ class Trainer:
 
     @contextlib.asynccontextmanager
     async def _session(self) -> AsyncIterator[HookBus]:
+        default_logging()
         hooks = list(self.hooks)
         for default in (self.logger_hook, self.checkpoint_hook):
             if default is not None and not any(isinstance(h, type(default)) for h in hooks):
@@ -330,7 +350,7 @@ class Trainer:
                     await self._agree(bus, _END_EPOCH, at.global_step)
                     return
                 await bus.publish(at(AfterData))
-                loss = _check_loss(self.model(batch))
+                loss = _loss_of(self.model(batch))
                 (loss / accumulate if accumulate > 1 else loss).backward()
                 await bus.publish(at(AfterBackward))
                 if (self.global_step + 1) % accumulate == 0:
@@ -401,36 +421,42 @@ class Trainer:
         if self.global_step % self.args.gradient_accumulation_steps:
             self._optimizer_step()
 
-    async def _evaluate(self, bus: HookBus) -> dict[str, float]:
+    async def _evaluate(self, bus: HookBus) -> dict[str, Any]:
         was_training = getattr(self.model, "training", False)
         self.model.eval()
         it = iter(self.eval_dataset or ())
-        total, rows, local = 0.0, 0, 0
+        local = 0
+        aggregator = MetricAggregator()
         try:
-            while self.args.eval_steps is None or local < self.args.eval_steps:
-                at = _At(False, self.global_step, local, self.epoch)
-                await bus.publish(at(BeforeStep))
-                try:
-                    batch = next(it)
-                except StopIteration:
-                    await bus.publish(at(OutOfData))
-                    break
-                await bus.publish(at(AfterData))
-                with torch.no_grad():  # never held across an await: other tasks share the thread
-                    loss = _check_loss(self.model(batch))
-                n = batch_size(batch)
-                value = float(loss)
-                total += value * n
-                rows += n
-                local += 1
-                add_metric("loss", value)
-                await bus.publish(at(AfterStep, samples=n))
+            with bus.subscribe(
+                AfterStep, aggregator.update, priority=Priority.HIGHEST, when=_is_eval
+            ):
+                while self.args.eval_steps is None or local < self.args.eval_steps:
+                    at = _At(False, self.global_step, local, self.epoch)
+                    await bus.publish(at(BeforeStep))
+                    try:
+                        batch = next(it)
+                    except StopIteration:
+                        await bus.publish(at(OutOfData))
+                        break
+                    await bus.publish(at(AfterData))
+                    # no_grad is never held across an await: other tasks share the thread
+                    with torch.no_grad():
+                        loss = _loss_of(self.model(batch))
+                    local += 1
+                    add_metric("loss", float(loss))
+                    await bus.publish(at(AfterStep, samples=batch_size(batch)))
         finally:
             if was_training:
                 self.model.train()
-        metrics = {"loss": total / rows if rows else math.nan}
+        metrics = await aggregator.compute_all_ranks(timeout=self.args.collective_timeout)
         await bus.publish(AfterEval(global_step=self.global_step, steps=local, metrics=metrics))
+        self._last_eval = metrics
         return metrics
+
+
+def _is_eval(event: AfterStep) -> bool:
+    return not event.is_train
 
 
 S = TypeVar("S", bound=StepEvent)
@@ -462,12 +488,49 @@ def _check_resume(method: str, resume: object) -> None:
         )
 
 
-def _check_loss(loss: Any) -> torch.Tensor:
+def _loss_of(output: Any) -> torch.Tensor:
+    """The loss in what ``model(batch)`` returned: the scalar loss tensor; a mapping with
+    ``"loss"`` whose other scalar entries become metrics (HF's convention); or a tuple/list
+    whose first item is the loss."""
+    if isinstance(output, Mapping):
+        if "loss" not in output:
+            raise TypeError(
+                "model(batch): expected the scalar loss tensor, a dict with 'loss' or a tuple "
+                f"whose first item is the loss, got a {type(output).__name__} without 'loss' "
+                f"(keys: {sorted(map(str, output))})"
+            )
+        loss = _check_loss(output["loss"], "model(batch)['loss']")
+        for name, value in output.items():
+            if name != "loss" and isinstance(name, str) and _is_scalar(value):
+                add_metric(name, value)
+        return loss
+    if isinstance(output, tuple | list):
+        if not output:
+            raise TypeError(
+                "model(batch): expected the scalar loss tensor, a dict with 'loss' or a tuple "
+                f"whose first item is the loss, got an empty {type(output).__name__}"
+            )
+        return _check_loss(output[0], "model(batch)[0]")
+    return _check_loss(output, "model(batch)")
+
+
+def _is_scalar(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1
+    return isinstance(value, numbers.Real)
+
+
+def _check_loss(loss: Any, where: str) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         what = (
             f"a tensor of shape {tuple(loss.shape)}"
             if isinstance(loss, torch.Tensor)
             else type(loss).__name__
         )
-        raise TypeError(f"model(batch): expected the scalar loss tensor, got {what}")
+        expected = (
+            "the scalar loss tensor, a dict with 'loss' or a tuple whose first item is the loss"
+            if where == "model(batch)"
+            else "the scalar loss tensor"
+        )
+        raise TypeError(f"{where}: expected {expected}, got {what}")
     return loss

@@ -197,6 +197,11 @@ class TraceWriter:
             self._stats["backpressure_waits"] += 1
             self._wait_s += perf_counter() - t
 
+    @property
+    def spill_dir(self) -> Path:
+        """Where batches that cannot be delivered are kept."""
+        return self._spill_dir
+
     def stats(self) -> Mapping[str, Any]:
         """Pending (queued + in flight) and buffered sizes, delivered and spilled counts,
         retries, and the time publishers spent waiting for room."""

@@ -183,6 +183,36 @@ async def test_on_error_log_counts_and_goes_on(caplog: pytest.LogCaptureFixture)
     assert "flaky" in caplog.text
 
 
+async def test_on_error_log_shows_three_tracebacks_then_counts(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A subscriber failing on every step does not flood the log: the first 3 failures with
+    their traceback, then one line at the 10th, 100th, ... and a count when the bus closes."""
+
+    def broken(event: Custom) -> None:
+        raise RuntimeError(f"flaky {event.n}")
+
+    caplog.set_level(logging.INFO, logger="recis_async.bus")
+    async with HookBus() as bus:
+        bus.subscribe(Custom, broken, on_error="log")
+        for n in range(1, 251):
+            await bus.publish(Custom(n=n))
+        assert bus.stats()["subscribers"][next(iter(bus.stats()["subscribers"]))]["errors"] == 250
+    logged = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    with_traceback = [r for r in logged if r.exc_info]
+    assert [r.exc_info[1].args[0] for r in with_traceback] == ["flaky 1", "flaky 2", "flaky 3"]
+    assert "logged at the 10th, 100th" in with_traceback[2].getMessage()
+    counts = [r.getMessage() for r in logged if not r.exc_info]
+    assert counts == [
+        "test_on_error_log_shows_three_tracebacks_then_counts.<locals>.broken failed on Custom "
+        "(on_error=log): 10 failures so far, the last RuntimeError: flaky 10",
+        "test_on_error_log_shows_three_tracebacks_then_counts.<locals>.broken failed on Custom "
+        "(on_error=log): 100 failures so far, the last RuntimeError: flaky 100",
+        "test_on_error_log_shows_three_tracebacks_then_counts.<locals>.broken failed 250 times "
+        "on Custom (on_error=log)",
+    ]
+
+
 async def test_on_error_disable_unsubscribes() -> None:
     calls: list[int] = []
 

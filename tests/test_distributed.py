@@ -133,3 +133,27 @@ def test_every_ranks_traced_rows_arrive_exactly_once(tmp_path: Path) -> None:
     assert r0["restored_step"] == r1["restored_step"] == 12
     assert r0["restored_weights"] == r1["restored_weights"] == r0["trained_weights"]
     assert r1["trained_weights"] != r0["trained_weights"]  # no DDP here: rank 1 trained apart
+
+
+def test_evaluation_metrics_are_reduced_over_ranks(tmp_path: Path) -> None:
+    proc = torchrun("dist_eval.py", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = results(tmp_path)
+    # rank 0 saw values 0..3 (2 batches of 2 rows), rank 1 values 100..111 (3 batches of 4)
+    values = [*range(4), *range(100, 112)]
+    expected = {
+        "loss": (0 * 4 + 1 * 12) / 16,  # each rank's loss is its rank, weighted by rows
+        "ones": 1.0,
+        "value": sum(values) / 16,  # the per-batch means weighted by rows
+        "rows": 16,
+        "biggest": 111.0,
+        "smallest": 0.0,
+        "rank_last": 1,  # "last" takes the highest rank's
+        "spread": 111.0 - 1.0,  # np.ptp over every step's batch max: 1, 3, 103, 107, 111
+    }
+    for r in (r0, r1):
+        assert r["returned"] == pytest.approx(expected)
+        assert r["seen"] == [r["returned"]]
+    summary = [line for line in r0["lines"] if "<mode=eval_summary>" in line]
+    assert len(summary) == 1 and "<rows=16>" in summary[0] and "<steps=2>" in summary[0]
+    assert not [line for line in r1["lines"] if "eval_summary" in line]

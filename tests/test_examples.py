@@ -44,8 +44,15 @@ def test_train_ctr_learns_and_writes_every_output(tmp_path: Path) -> None:
 
     assert sorted((tmp_path / "checkpoints").glob("checkpoint-*.pt"))
     assert list((tmp_path / "timeline").glob("0-timeline-*.json"))
-    for where in ("traces:", "metrics:", "checkpoints:", "profiles:"):
-        assert where in out
+    # the library names every output at the start and sums them up at the end (stderr)
+    summary = proc.stderr[proc.stderr.index("outputs of this run:") :]
+    for what, where in (
+        ("traces (TraceHook)", tmp_path / "trace" / "ctr_samples"),
+        ("experiment tracking (MLTrackerHook)", run_dir.parent),
+        ("checkpoints (CheckpointSaverHook)", tmp_path / "checkpoints"),
+        ("profiler timelines (ProfilerHook)", tmp_path / "timeline"),
+    ):
+        assert f"  {what}: {where}" in summary, summary
 
 
 def test_train_loop_example_runs() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from typing import Any
 
@@ -52,12 +53,39 @@ async def test_evicts_at_the_interval_with_the_exact_rule(caplog: pytest.LogCapt
     assert stats["evictions"] == 3 and stats["last_step"] == 9
     assert stats["evicted"] == 1 + 3 + 3 == stats["evicted_by_table"]["user"]
     assert stats["ids_by_table"] == {"user": 6} and stats["skipped"] == 0
-    logged = [r.getMessage() for r in caplog.records if "evicted" in r.getMessage()]
+    logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
     assert logged == [
-        "HashTableFilterHook: step 3 evicted 1 of 1 candidate ids from 'user' (4 ids left)",
-        "HashTableFilterHook: step 6 evicted 3 of 3 candidate ids from 'user' (4 ids left)",
-        "HashTableFilterHook: step 9 evicted 3 of 3 candidate ids from 'user' (4 ids left)",
+        "HashTableFilterHook: step 3 evicted 1 ids (user 1), 4 ids left",
+        "HashTableFilterHook: step 6 evicted 3 ids (user 3), 4 ids left",
+        "HashTableFilterHook: step 9 evicted 3 ids (user 3), 4 ids left",
+        "HashTableFilterHook: 3 evictions removed 7 ids (user 7); 0 requests skipped while one ran",
     ]
+
+
+async def test_quiet_at_info_when_nothing_is_evicted(caplog: pytest.LogCaptureFixture) -> None:
+    """Evictions that remove nothing, per-table counts and skipped requests are DEBUG only:
+    at INFO a run that evicts nothing shows one summary line, whatever its length."""
+    caplog.set_level(logging.DEBUG, logger="recis_async.hooks.hash_table_filter")
+    user, item = table(2, "user"), table(2, "item")
+    hook = HashTableFilterHook(2, tables=[user, item])
+    async with HookBus() as bus:
+        bus.add_hook(hook)
+        for step in range(40):
+            await train_step(bus, hook, step, (user, [1]), (item, [2]))
+        for step in (41, 42, 43):  # one runs, one waits, the third is skipped
+            hook._service.request(step)  # type: ignore[union-attr]
+        stats = bus.stats()["services"]["HashTableFilterHook"]
+    assert stats["evictions"] >= 19 and stats["evicted"] == 0 and stats["skipped"] >= 1
+    info = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert len(info) == 1, info
+    assert re.fullmatch(
+        r"HashTableFilterHook: \d+ evictions removed 0 ids \(user 0, item 0\); "
+        r"[1-9]\d* requests skipped while one ran",
+        info[0],
+    ), info
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert any("evicted 0 of 0 candidate ids from 'item'" in m for m in debug)
+    assert any("skipped, the previous one is still running" in m for m in debug)
 
 
 async def test_eval_steps_neither_advance_nor_evict() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -388,3 +389,28 @@ async def test_disable_takes_effect_before_the_failed_batch_is_spilled(
     assert hook.service.spill_path is not None
     assert [r.step for r in read_records(hook.service.spill_path)] == [0]
     assert hook.service.stats()["dropped"] == 10
+
+
+async def test_a_tracker_failing_every_flush_logs_three_tracebacks_then_counts(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tracker = FlakyJsonl(tmp_path, fail_calls=range(1, 10_000))
+    hook = MLTrackerHook("p", "r", tracker=tracker, on_error="log", flush_interval=0.0)
+    async with HookBus() as bus:
+        bus.add_hook(hook)
+        for step in range(40):
+            await bus.publish(AfterStep(global_step=step, tracked={"loss": float(step)}))
+            await anyio.sleep(0.01)  # each step's record is flushed (and fails) by itself
+    assert hook.service is not None
+    errors = hook.service.stats()["errors"]
+    assert errors >= 10
+    failures = [
+        r
+        for r in caplog.records
+        if r.name == "recis_async.trackers.service" and r.levelno >= logging.ERROR
+    ]
+    assert sum(r.exc_info is not None for r in failures) == 3
+    counts = [r.getMessage() for r in failures if r.exc_info is None]
+    assert len(counts) == (1 if errors < 100 else 2), counts
+    assert "tracker.log failed" in counts[0]
+    assert ": 10 failures so far, the last OSError: quota exceeded (call 10)" in counts[0]

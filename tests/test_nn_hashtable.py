@@ -20,10 +20,21 @@ from recis_async.nn import (
     GlobalStepFilter,
     HashTable,
     PolicyRegistry,
+    _memory,
     attach_optimizer,
     register_admit_policy,
     register_filter_policy,
 )
+from recis_async.nn import hashtable as hashtable_module
+from recis_async.nn.slot_map import SlotMap
+
+
+@pytest.fixture(params=["native", "torch"])
+def id_map(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test on each id map: the native one, and the torch-ops fallback."""
+    if request.param == "torch":
+        monkeypatch.setattr(hashtable_module, "new_slot_map", SlotMap)
+    return str(request.param)
 
 
 def step_filter(n: int) -> FilterHook:
@@ -132,7 +143,7 @@ def _trained_rows(table: HashTable, opt: torch.optim.Optimizer, batch: torch.Ten
     ],
     ids=["sgd", "sgd-momentum", "adam", "adagrad"],
 )
-def test_optimizer_changes_exactly_the_looked_up_rows(make) -> None:
+def test_optimizer_changes_exactly_the_looked_up_rows(make, id_map: str) -> None:
     table = HashTable(4, initializer=const(1.0), capacity=16)
     table(torch.arange(10))  # rows 0..9 exist
     opt = make(table.parameters())
@@ -326,7 +337,7 @@ def test_plan_made_before_a_load_is_ignored() -> None:
     assert table.apply_eviction(plan) == 0 and table.ids_count() == 4
 
 
-def test_eviction_in_a_thread_never_races_lookups() -> None:
+def test_eviction_in_a_thread_never_races_lookups(id_map: str) -> None:
     torch.manual_seed(1)
     table = HashTable(4, initializer=const(1.0), filter_hook=step_filter(2))
     stop = threading.Event()
@@ -358,8 +369,54 @@ def test_eviction_in_a_thread_never_races_lookups() -> None:
     assert len(table._free) + table.ids_count() == table._next
 
 
+def test_growth_past_huge_page_sizes_keeps_rows_and_optimizer_state() -> None:
+    """Rows and Adam state of a table grown from 16 rows through mappings of several MiB
+    equal those of a table that never grew; growth inside a mapping's reserve moves nothing
+    and every tensor's storage is exactly its size (a checkpoint carries no reserve)."""
+    torch.manual_seed(0)
+    init = lambda t: torch.nn.init.normal_(t)  # noqa: E731
+    grown, fixed = HashTable(64, capacity=16), HashTable(64, capacity=1 << 17)
+    opts = []
+    for table in (grown, fixed):
+        opt = torch.optim.Adam(table.parameters(), lr=0.01)
+        table.attach_optimizer(opt)
+        opts.append(opt)
+    g = torch.Generator().manual_seed(1)
+    growths = []  # (new capacity, whether the rows moved)
+    for _ in range(12):
+        batch = torch.randint(0, 1 << 30, (8000,), generator=g)
+        rows = init(torch.empty(batch.numel(), 64))
+        ptr, cap = grown.weight.data_ptr(), grown.capacity
+        for table, opt in zip((grown, fixed), opts, strict=True):
+            opt.zero_grad()
+            (table(batch) * rows).sum().backward()
+            opt.step()
+        if grown.capacity != cap:
+            growths.append((grown.capacity, grown.weight.data_ptr() != ptr))
+    assert grown.capacity < fixed.capacity and grown.ids_count() == fixed.ids_count()
+    everything = fixed.ids()
+    grown.eval()
+    fixed.eval()
+    torch.testing.assert_close(grown(everything), fixed(everything))
+    gs, fs = grown.lookup_slots(everything)[0], fixed.lookup_slots(everything)[0]
+    for key in ("exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(
+            opts[0].state[grown.weight][key][gs], opts[1].state[fixed.weight][key][fs]
+        )
+    if _memory._ADVICE is not None:  # Linux: growth within the reserve is in place
+        mapped = 0  # capacity when the current mapping was made
+        for new, moved in growths:
+            assert moved == (new > _memory._RESERVE * mapped), growths
+            mapped = new if moved else mapped
+        assert sum(not moved for _, moved in growths) >= 3, growths
+    assert grown.weight.untyped_storage().nbytes() == grown.weight.nbytes
+    buf = io.BytesIO()
+    torch.save(grown.state_dict(), buf)
+    assert len(buf.getvalue()) < grown.weight.nbytes * 1.2
+
+
 # ---------------------------------------------------------------- state
-def test_state_dict_round_trips_into_a_fresh_table() -> None:
+def test_state_dict_round_trips_into_a_fresh_table(id_map: str) -> None:
     torch.manual_seed(0)
     table = HashTable(
         [2, 2], initializer=lambda t: torch.nn.init.normal_(t), filter_hook=step_filter(4)

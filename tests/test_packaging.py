@@ -27,3 +27,8 @@ def test_quick_start_is_two_commands_and_ci_runs_the_test_one() -> None:
 def test_package_ships_py_typed() -> None:
     assert (ROOT / "recis_async" / "py.typed").exists()
     assert "py.typed" in (ROOT / "pyproject.toml").read_text()
+
+
+def test_package_ships_the_native_id_map_source() -> None:
+    assert (ROOT / "recis_async" / "nn" / "_slot_map.cpp").exists()
+    assert '"nn/_slot_map.cpp"' in (ROOT / "pyproject.toml").read_text()

@@ -256,7 +256,9 @@ async def test_non_scalar_loss_is_refused_naming_the_shape() -> None:
         dense_optimizers=(torch.optim.SGD(model.parameters(), 0.1), None),
     )
     with pytest.raises(
-        TypeError, match=r"expected the scalar loss tensor, got a tensor of shape \(4, 1\)"
+        TypeError,
+        match=r"expected the scalar loss tensor, a dict with 'loss' or a tuple whose first item "
+        r"is the loss, got a tensor of shape \(4, 1\)",
     ):
         await trainer.train()
 

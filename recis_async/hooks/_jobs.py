@@ -15,6 +15,8 @@ from typing import Any, Generic, Literal, TypeVar
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from ..console import log_failure
+
 __all__ = ["JobQueue"]
 
 log = logging.getLogger(__name__)
@@ -82,11 +84,13 @@ class JobQueue(Generic[T]):
                             if self._on_error == "raise":
                                 self._failure = exc
                                 raise
-                            log.error(
+                            log_failure(
+                                log,
+                                self._counts["errors"],
+                                exc,
                                 "%s: job failed (on_error=%s)",
                                 self.name,
                                 self._on_error,
-                                exc_info=exc,
                             )
                             if self._on_error == "disable":
                                 self._disabled = True

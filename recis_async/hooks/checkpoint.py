@@ -626,6 +626,11 @@ class CheckpointSaverHook(Hook):
         """One saver per directory may share a bus (say, frequent local + rare remote)."""
         return f"CheckpointSaverHook:{self.output_dir}"
 
+    def outputs(self) -> dict[str, str]:
+        where = os.path.abspath(self.output_dir)
+        newest = latest_checkpoint(where) if self._last_saved is not None else None
+        return {"checkpoints": f"{newest[1]} (the newest)" if newest else where}
+
     def attach(self, bus: HookBus) -> None:
         if self._writer is not None and not self._writer.finished.is_set():
             raise RuntimeError(f"{self!r} is already attached to a bus that is still open")

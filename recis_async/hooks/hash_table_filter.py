@@ -119,7 +119,7 @@ class _EvictionService:
             self._send.send_nowait(step)
         except anyio.WouldBlock:
             self._counts["skipped"] += 1
-            log.warning(
+            log.debug(
                 "%s: eviction at step %d skipped, the previous one is still running",
                 self.name,
                 step,
@@ -150,6 +150,7 @@ class _EvictionService:
 
     async def _evict(self, step: int) -> None:
         total = 0
+        by_table: list[str] = []
         started = time.perf_counter()
         for table in self._tables:
             plan = await anyio.to_thread.run_sync(table.scan_eviction, step)
@@ -165,7 +166,9 @@ class _EvictionService:
             self._counts["lookup_wait_s_max"] = max(
                 self._counts["lookup_wait_s_max"], table_stats["lookup_wait_max_s"]
             )
-            log.info(
+            if evicted:
+                by_table.append(f"{table.name} {evicted}")
+            log.debug(
                 "%s: step %d evicted %d of %d candidate ids from %r (%d ids left)",
                 self.name,
                 step,
@@ -178,6 +181,15 @@ class _EvictionService:
         self._counts["evicted"] += total
         self._counts["last_step"] = step
         self._counts["last_evicted"] = total
+        if total:
+            log.info(
+                "%s: step %d evicted %d ids (%s), %d ids left",
+                self.name,
+                step,
+                total,
+                ", ".join(by_table),
+                sum(t.ids_count() for t in self._tables),
+            )
         log.debug(
             "%s: eviction at step %d took %.3fs", self.name, step, time.perf_counter() - started
         )
@@ -190,6 +202,17 @@ class _EvictionService:
         self._send.close()
         with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
             await self.wait_idle()
+        counts = self._counts
+        if counts["evictions"] or counts["skipped"]:
+            evicted = ", ".join(f"{name} {n}" for name, n in self._by_table.items())
+            log.info(
+                "%s: %d evictions removed %d ids (%s); %d requests skipped while one ran",
+                self.name,
+                counts["evictions"],
+                counts["evicted"],
+                evicted,
+                counts["skipped"],
+            )
 
     def stats(self) -> Mapping[str, Any]:
         return {
@@ -214,7 +237,9 @@ class HashTableFilterHook(Hook):
         model: a module whose ``HashTable`` submodules with a ``filter_hook`` are filtered.
         name: the service name in ``bus.stats()["services"]`` and the hook's ``state_key``.
 
-    Eviction counts are logged and reported under ``bus.stats()["services"][name]``.
+    Logged at INFO: each eviction that removed ids (one line for all tables) and a summary
+    when the bus closes; evictions that removed nothing, per-table counts and skipped requests
+    at DEBUG.  Every count is in ``bus.stats()["services"][name]``.
     """
 
     def __init__(
@@ -239,7 +264,7 @@ class HashTableFilterHook(Hook):
         self._name = name
         self._service: _EvictionService | None = None
         self.last_filter_step: int | None = None
-        log.info(
+        log.debug(
             "%s: filtering %s every %s steps",
             name,
             [t.name for t in self._tables],

@@ -150,6 +150,11 @@ class HistorySaverHook(Hook):
         """One dict per closed interval: ``mean_losses``, ``total_losses``, ``steps``."""
         return [dict(row) for row in self._rows]
 
+    def outputs(self) -> dict[str, str]:
+        if self.output_dir is None:
+            return {}
+        return {"loss history": os.path.abspath(self.path or self.output_dir)}
+
     def attach(self, bus: HookBus) -> None:
         if self.output_dir is None:
             return

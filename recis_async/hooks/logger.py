@@ -5,7 +5,11 @@ and ``sps`` steps/s, measured on a monotonic clock over the steps since the prev
 the same mode.  The first window opens at the first step (its ``BeforeStep`` when published,
 else its ``AfterStep``), not when the hook is built.  Training and evaluation keep separate
 counters, and a window only counts the time spent in its own mode, so an evaluation in the
-middle of training does not lower the training rate.
+middle of training does not lower the training rate.  Each ``AfterEval`` gets one summary
+line, ``<mode=eval_summary> <gstep=..> <steps=..> <loss=..> ...``, with the pass's aggregated
+metrics, and the eval counters start again for the next evaluation.  ``<lstep=..>`` is the
+event's ``local_step``; a loop that never passes one (every step says 0) gets the hook's own
+count of the steps of that mode instead, as RecIS's LoggerHook counts.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import msgspec
 import numpy as np
 
 from .. import dist
-from ..events import AfterStep, BeforeStep
+from ..events import AfterEval, AfterStep, BeforeStep
 from ..hook import Hook
 
 __all__ = ["LoggerHook", "format_value"]
@@ -50,7 +54,7 @@ class _Window:
     __slots__ = ("busy", "count", "last_end", "samples", "seg_start", "steps")
 
     def __init__(self) -> None:
-        self.count = 0  # steps of this mode seen, for the every-log_step trigger
+        self.count = 0  # steps of this mode seen (eval: in this evaluation), for log_step
         self.steps = 0  # steps timed in the current window
         self.samples = 0
         self.busy = 0.0  # closed segments of this mode in the window, seconds
@@ -94,6 +98,9 @@ class LoggerHook(Hook):
         self.logger = logger or logging.getLogger("recis_async.hooks.logger")
         self._clock = clock
         self._windows = {True: _Window(), False: _Window()}
+        # per mode: whether the publisher numbers its steps (a nonzero local_step was seen);
+        # until then <lstep=..> shows the hook's own count, as RecIS's LoggerHook does
+        self._numbered = {True: False, False: False}
 
     def _enter(self, is_train: bool, now: float) -> _Window:
         """Open this mode's segment if needed and close the other mode's."""
@@ -120,7 +127,11 @@ class LoggerHook(Hook):
             window.steps += 1
             window.samples += event.samples
         window.last_end = now
+        lstep = window.count
         window.count += 1
+        if event.local_step or self._numbered[event.is_train]:
+            self._numbered[event.is_train] = True
+            lstep = event.local_step
         if window.count % self.log_step:
             return
         elapsed = window.busy + (now - window.seg_start)
@@ -133,7 +144,22 @@ class LoggerHook(Hook):
             event, qps, sps = await self._reduced(event, qps, sps)
             if dist.get_rank() != 0:
                 return
+        if lstep != event.local_step:
+            event = msgspec.structs.replace(event, local_step=lstep)
         self.logger.info(self.format_line(event, qps, sps))
+
+    def after_eval(self, event: AfterEval) -> None:
+        """One summary line per evaluation; the eval counters restart for the next one."""
+        self._windows[False] = _Window()
+        if self.all_reduce and dist.get_rank() != 0:
+            return  # the metrics are reduced over ranks already: rank 0 logs them once
+        parts = [
+            "<mode=eval_summary>",
+            f"<gstep={event.global_step}>",
+            f"<steps={event.steps}>",
+            *(f"<{name}={format_value(value)}>" for name, value in event.metrics.items()),
+        ]
+        self.logger.info(" ".join(parts))
 
     async def _reduced(
         self, event: AfterStep, qps: float, sps: float

@@ -25,8 +25,9 @@ from ..trackers.base import (
     check_metric_name,
     flatten_params,
     to_tracked_value,
+    tracker_location,
 )
-from ..trackers.service import check_settings
+from ..trackers.service import check_settings, default_spill_dir
 
 if TYPE_CHECKING:
     from ..bus import HookBus
@@ -107,6 +108,17 @@ class MLTrackerHook(Hook):
     def accepting(self) -> bool:
         """Whether :meth:`log_metrics` can take values now (attached, not closing)."""
         return self._service is not None and self._service.accepting
+
+    def outputs(self) -> dict[str, str]:
+        where = {"experiment tracking": tracker_location(self.tracker, self.project)}
+        service = self._service
+        if service is not None and service.spill_path is not None:
+            where["untracked records (see read_records)"] = os.path.abspath(service.spill_path)
+        elif service is None or not service.stats()["logged"]:
+            spill = service.spill_dir if service is not None else self._service_args["spill_dir"]
+            spill_dir = os.path.abspath(spill if spill is not None else default_spill_dir())
+            where["tracker spill files (only if the tracker fails)"] = spill_dir
+        return where
 
     def attach(self, bus: HookBus) -> None:
         if self._service is not None:

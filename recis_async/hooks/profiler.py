@@ -24,6 +24,7 @@ import anyio
 import torch
 
 from .._checks import writable_dir
+from ..console import clear_bars
 from ..events import AfterStep, BeforeStep, End
 from ..hook import Hook
 from ._jobs import JobQueue
@@ -34,6 +35,11 @@ if TYPE_CHECKING:
 __all__ = ["ProfilerHook"]
 
 log = logging.getLogger(__name__)
+
+_RECORDING = (
+    torch.profiler.ProfilerAction.RECORD,
+    torch.profiler.ProfilerAction.RECORD_AND_SAVE,
+)
 
 
 class _Export(NamedTuple):
@@ -99,6 +105,12 @@ class ProfilerHook(Hook):
         )
         bus.start_service(self._jobs)
 
+    def outputs(self) -> dict[str, str]:
+        where = str(self.output_dir.absolute())
+        if self.exported:
+            where += f" ({len(self.exported)} timeline file(s), the last {self.exported[-1].name})"
+        return {"profiler timelines": where}
+
     def _trace_ready(self, prof: torch.profiler.profile) -> None:
         # Called inside prof.step()/stop() on the training thread: only take the cycle's
         # results; the file is written by the background job.
@@ -107,23 +119,31 @@ class ProfilerHook(Hook):
 
     def before_step(self, event: BeforeStep) -> None:
         if event.is_train and not self._running and self._prof is not None:
+            clear_bars()  # kineto prints to the terminal as it starts
             self._prof.start()
             self._running = True
+        elif event.is_train and self._prof is not None and self._prof.current_action in _RECORDING:
+            clear_bars()  # torch may print allocator warnings while it records this step
 
     async def after_step(self, event: AfterStep) -> None:
         if not event.is_train or self._prof is None:
             return
         self._step = event.global_step
         if not self._running:  # the loop publishes no BeforeStep: start after this step
+            clear_bars()
             self._prof.start()
             self._running = True
             return
-        self._prof.step()
+        prof = self._prof
+        if prof.schedule(prof.step_num + 1) != prof.current_action:
+            clear_bars()  # kineto prints to the terminal when recording starts or stops
+        prof.step()
         await self._hand_over()
 
     async def end(self, event: End) -> None:
         if self._running and self._prof is not None:
             self._running = False
+            clear_bars()
             self._prof.stop()
         await self._hand_over()
 

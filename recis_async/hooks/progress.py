@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import IO, Any
 
 from .._checks import positive_int, positive_number
+from ..console import route_logging_through_bar
 from ..events import AfterStep, BeforeStep, End
 from ..hook import Hook
 
@@ -20,8 +21,11 @@ class ProgressBarHook(Hook):
     ``TrainingArguments`` when left ``None``: ``train_steps``, else ``train_epoch`` passes over
     a dataset with ``len()``); with a total the bar shows the ETA.  The bar opens at the first
     training step and starts at that step, so a resumed run shows its true position.  The
-    postfix shows the latest step's numeric metrics (or only ``metrics`` when given).  Rank 0
-    only.  Needs the ``progress`` extra: ``pip install 'recis_async[progress]'``.
+    postfix shows the latest step's numeric metrics (or only ``metrics`` when given).  While the
+    bar is shown, log lines to the console (handlers of the root and ``recis_async`` loggers
+    writing to stdout, stderr or ``file``) are written through tqdm, so each sits on its own
+    line above the bar, in a terminal and in a redirected file alike.  Rank 0 only.
+    Needs the ``progress`` extra: ``pip install 'recis_async[progress]'``.
     """
 
     rank_zero_only = True
@@ -53,6 +57,7 @@ class ProgressBarHook(Hook):
         self.leave = leave
         self.mininterval = positive_number(owner, "mininterval", mininterval)
         self._bar: Any = None
+        self._unroute: Callable[[], None] | None = None
 
     def before_step(self, event: BeforeStep) -> None:
         if event.is_train and self._bar is None:
@@ -66,6 +71,7 @@ class ProgressBarHook(Hook):
                 mininterval=self.mininterval,
                 dynamic_ncols=True,
             )
+            self._unroute = route_logging_through_bar(self._tqdm, self.file)
 
     def after_step(self, event: AfterStep) -> None:
         bar = self._bar
@@ -85,6 +91,9 @@ class ProgressBarHook(Hook):
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+        if self._unroute is not None:
+            self._unroute()
+            self._unroute = None
 
     def __repr__(self) -> str:
         return f"<ProgressBarHook total={self.total}>"

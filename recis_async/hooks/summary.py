@@ -66,6 +66,9 @@ class SummarySaverHook(Hook):
     def service(self) -> TrackerService | None:
         return self._service
 
+    def outputs(self) -> dict[str, str]:
+        return {"TensorBoard summaries": str(self.tracker.log_dir.absolute())}
+
     def attach(self, bus: HookBus) -> None:
         if self._service is not None:
             raise RuntimeError("SummarySaverHook is already attached to a bus")

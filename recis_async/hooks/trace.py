@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..buffer import ColumnBuffer
 from ..events import AfterStep
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 __all__ = ["TraceHook", "TraceToOdpsHook"]
 
 DEFAULT_SIZE_THRESHOLD = 50 * 1024 * 1024  # bytes, as in RecIS
+_STEPS = ("all", "train", "eval")
 
 
 class TraceHook(Hook):
@@ -42,7 +43,10 @@ class TraceHook(Hook):
     buffer is sealed anyway (None: only by size, and at close).  ``retries`` /
     ``retry_backoff``: transient failures are retried this many times, backing off
     exponentially from this many seconds.  ``spill_dir``: where undeliverable batches are
-    kept (default ``./trace_spill``).
+    kept (default ``./trace_spill``).  ``steps``: which steps are traced -- ``"all"`` (the
+    default, as RecIS, whose ``evaluate()`` calls ``after_step`` too), ``"train"`` or
+    ``"eval"`` (e.g. one hook per table); to keep both in one table and tell them apart,
+    trace the step's ``is_train`` as a column.
     """
 
     def __init__(
@@ -57,7 +61,16 @@ class TraceHook(Hook):
         retries: int = 5,
         retry_backoff: float = 0.5,
         spill_dir: str | os.PathLike[str] | None = None,
+        steps: Literal["all", "train", "eval"] = "all",
     ) -> None:
+        if steps not in _STEPS:
+            raise ValueError(
+                f"{type(self).__name__}(steps=...): expected one of 'all', 'train', 'eval', "
+                f"got {steps!r}"
+            )
+        self.steps = steps
+        # the is_train value of the steps left out, or None when every step is traced
+        self._skip: bool | None = None if steps == "all" else steps == "eval"
         if not isinstance(sink, Sink):
             raise TypeError(
                 f"{type(self).__name__}(sink=...): expected a Sink (name, open, write, close), "
@@ -107,8 +120,23 @@ class TraceHook(Hook):
     def attach(self, bus: HookBus) -> None:
         bus.start_service(self._writer)
 
+    def outputs(self) -> dict[str, str]:
+        where = str(getattr(self.sink, "location", None) or self.sink.name)
+        stats = self._writer.stats()
+        if stats["batches"]:
+            where += f" ({stats['rows']} rows written)"
+        if stats["spill_files"]:
+            spilled = f"{stats['spilled_rows']} rows in {', '.join(stats['spill_files'])}"
+            return {"traces": where, "undelivered traces (see replay_spill)": spilled}
+        if stats["batches"]:
+            return {"traces": where}
+        return {
+            "traces": where,
+            "trace spill files (only if delivery fails)": str(self._writer.spill_dir.absolute()),
+        }
+
     async def after_step(self, event: AfterStep) -> None:
-        if not event.trace:
+        if not event.trace or event.is_train is self._skip:
             return
         buffer = self._buffer
         buffer.append(event.trace)
@@ -120,7 +148,8 @@ class TraceHook(Hook):
     def __repr__(self) -> str:
         return (
             f"<{type(self).__name__} sink={self.sink.name} fields={list(self.fields)} "
-            f"worker_num={self._writer.worker_num} size_threshold={self._threshold}>"
+            f"worker_num={self._writer.worker_num} size_threshold={self._threshold} "
+            f"steps={self.steps}>"
         )
 
 

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
+from . import _memory
 from .policy import AdmitPolicy, FilterPolicy
 
 __all__ = ["ReadOnly", "GlobalStepFilter"]
@@ -47,7 +48,7 @@ class GlobalStepFilter(FilterPolicy):
 
     def resize(self, capacity: int) -> None:
         old = self._last_seen
-        self._last_seen = torch.full((capacity,), _FREE, dtype=torch.int64)
+        self._last_seen = _memory.zeros((capacity,), torch.int64).fill_(_FREE)
         keep = min(capacity, old.numel())
         self._last_seen[:keep] = old[:keep]
 

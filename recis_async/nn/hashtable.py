@@ -24,12 +24,13 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from . import _memory
 from .autograd import gather_rows
 from .free_slots import FreeSlots
 from .hashtable_hook import AdmitHook, FilterHook
 from .policy import AdmitPolicy, FilterPolicy
 from .registry import DEFAULT_POLICIES, PolicyRegistry
-from .slot_map import SlotMap
+from .slot_map import new_slot_map
 
 __all__ = ["HashTable", "EvictionPlan", "Initializer", "attach_optimizer"]
 
@@ -141,7 +142,8 @@ class HashTable(nn.Module):
         self.weight = nn.Parameter(torch.zeros(capacity, self._dim, dtype=dtype))
         if initializer is not None:
             self._initial_rows(1)  # a broken initializer fails here, not mid-training
-        self._map = SlotMap()
+        self._map = new_slot_map()
+        self._rows = _memory.RowSpace()  # grows weight and row state mostly without copying
         self._free = FreeSlots()
         self._next = 0  # slots below this were handed out at least once
         self._generation = 0  # bumped by load_state_dict: plans from before are void
@@ -401,12 +403,8 @@ class HashTable(nn.Module):
         if self._filter is not None:
             self._filter.resize(new)
 
-    @staticmethod
-    def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
-        out = torch.empty((rows, *t.shape[1:]), dtype=t.dtype)
-        out[: t.shape[0]] = t
-        out[t.shape[0] :] = 0
-        return out
+    def _padded(self, t: torch.Tensor, rows: int) -> torch.Tensor:
+        return self._rows.grown(t, rows)
 
     def _is_row_state(self, value: object) -> bool:
         return (
@@ -435,7 +433,7 @@ class HashTable(nn.Module):
                 w.grad = g if w.grad is None else w.grad + g
                 return
             if w.grad is None:
-                w.grad = torch.zeros_like(w)
+                w.grad = _memory.zeros(tuple(w.shape), w.dtype)
             w.grad.index_add_(0, slots, rows)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -594,7 +592,7 @@ class HashTable(nn.Module):
             if self.weight.grad is not None:
                 self.weight.grad = None
             self.weight.data = weight.detach().to(self.dtype).clone()
-            self._map = SlotMap(4 * int(ids.numel()))
+            self._map = new_slot_map(4 * int(ids.numel()))
             self._map.insert(ids, slots)
             live = torch.zeros(cap, dtype=torch.bool)
             live[slots] = True

@@ -21,6 +21,11 @@ the table is touched twice per round: one gather, one write of the winners' rows
 
 The map also records where each slot's key sits, so removing a slot touches one position.
 Not thread-safe: the owning table serialises calls with its lock.
+
+:class:`NativeSlotMap` keeps the same tensors and layout but probes with compiled loops
+(``_slot_map.cpp``, one pass over the batch, home positions prefetched ahead), several times
+faster; :func:`new_slot_map` gives it wherever the native library loads and this map
+elsewhere.  Both pickle to whichever the unpickling process can run.
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["SlotMap", "EMPTY", "TOMB"]
+from . import _memory, _native
+
+__all__ = ["SlotMap", "NativeSlotMap", "new_slot_map", "EMPTY", "TOMB"]
 
 EMPTY = -1
 TOMB = -2
@@ -50,18 +57,19 @@ class SlotMap:
         self._alloc(_bits_for(min_capacity))
         # slot -> position of its key (-1: free); the last element is a scratch entry
         self._slot_pos = torch.full((1,), -1, dtype=torch.int64)
+        self._space = _memory.RowSpace()
 
     def _alloc(self, bits: int) -> None:
         self._bits = bits
         # one scratch row at index `capacity` absorbs writes of queries that must not write
-        self._kv = torch.full(((1 << bits) + 1, 2), EMPTY, dtype=torch.int64)
+        self._kv = _memory.zeros(((1 << bits) + 1, 2), torch.int64).fill_(EMPTY)
         self._flat = self._kv.view(-1)  # key of position p at 2p, value at 2p + 1
         self._live = 0
         self._used = 0  # live keys plus tombstones
         # Claims are arbitrated in a small array indexed by position modulo its size (the
-        # last cell absorbs non-claims).  Two positions sharing a cell make one claimant
-        # lose spuriously; it simply claims again next round.
-        self._arbiter = torch.empty((1 << min(bits, _SCRATCH_BITS)) + 1, dtype=torch.int64)
+        # last cell absorbs non-claims), made by the first insert.  Two positions sharing a
+        # cell make one claimant lose spuriously; it simply claims again next round.
+        self._arbiter: torch.Tensor | None = None
 
     @property
     def capacity(self) -> int:
@@ -72,7 +80,11 @@ class SlotMap:
 
     @property
     def nbytes(self) -> int:
-        return self._kv.nbytes + self._slot_pos.nbytes + self._arbiter.nbytes
+        arbiter = 0 if self._arbiter is None else self._arbiter.nbytes
+        return self._kv.nbytes + self._slot_pos.nbytes + arbiter
+
+    def __reduce__(self) -> tuple[Callable[[dict[str, object]], SlotMap], tuple[object]]:
+        return _restore, (self.__dict__.copy(),)
 
     def _home(self, ids: torch.Tensor) -> torch.Tensor:
         # top `bits` bits of id * golden ratio: the arithmetic shift sign-extends, the mask
@@ -143,6 +155,10 @@ class SlotMap:
         if given is not None:
             self._reserve_slots(int(given.max()) + 1)
         scratch = 1 << self._bits
+        if self._arbiter is None:
+            self._arbiter = torch.empty(
+                (1 << min(self._bits, _SCRATCH_BITS)) + 1, dtype=torch.int64
+            )
         arbiter = self._arbiter
         cells = arbiter.numel() - 1
         pos = self._home(ids)
@@ -186,12 +202,13 @@ class SlotMap:
         return out
 
     def _reserve_slots(self, top: int) -> None:
-        """Make ``_slot_pos`` hold slots below ``top`` plus the scratch entry."""
+        """Make ``_slot_pos`` hold slots below ``top`` plus the scratch entry (doubling, in
+        place within its mapping's reserve where it has one)."""
         have = self._slot_pos.numel() - 1
         if top <= have:
             return
-        grown = torch.full((max(top, 2 * have) + 1,), -1, dtype=torch.int64)
-        grown[:have] = self._slot_pos[:have]
+        grown = self._space.grown(self._slot_pos, max(top, 2 * have) + 1)
+        grown[have + 1 :] = -1  # the old scratch entry (at `have`) is -1 already
         self._slot_pos = grown
 
     def remove(self, slots: torch.Tensor) -> torch.Tensor:
@@ -226,3 +243,111 @@ class SlotMap:
         self._slot_pos.fill_(-1)
         if ids.numel():
             self.insert(ids, slots)
+
+
+class NativeSlotMap(SlotMap):
+    """:class:`SlotMap` with compiled probe loops (same tensors, same results).
+
+    A batch is probed id by id in one pass, so duplicates resolve by order; absent keys are
+    claimed first and given their slots by one ``alloc`` call per batch.
+    """
+
+    def __init__(self, kernels: _native.Kernels, min_capacity: int = 1 << _MIN_BITS) -> None:
+        super().__init__(min_capacity)
+        self._k = kernels
+
+    def __reduce__(self) -> tuple[Callable[[dict[str, object]], SlotMap], tuple[object]]:
+        state = self.__dict__.copy()
+        del state["_k"]  # a loaded library: the unpickling process loads its own
+        return _restore, (state,)
+
+    def find(self, ids: torch.Tensor) -> torch.Tensor:
+        n = ids.numel()
+        if n == 0 or self._live == 0:
+            return torch.full_like(ids, EMPTY)
+        ids = _int64(ids)
+        out = torch.empty_like(ids)
+        self._k.find(self._kv.data_ptr(), self._bits, ids.data_ptr(), n, out.data_ptr())
+        return out
+
+    def _probe_insert(
+        self,
+        ids: torch.Tensor,
+        alloc: Callable[[int], torch.Tensor] | None,
+        given: torch.Tensor | None,
+    ) -> torch.Tensor:
+        n = ids.numel()
+        if n == 0:
+            return torch.full_like(ids, EMPTY)
+        ids = _int64(ids)
+        if self._used + n > _MAX_LOAD * self.capacity:
+            self._rehash(self._live + n)
+        out = torch.empty_like(ids)
+        new_pos = torch.empty_like(ids)
+        kv = self._kv.data_ptr()
+        k = int(
+            self._k.claim(kv, self._bits, ids.data_ptr(), n, out.data_ptr(), new_pos.data_ptr())
+        )
+        if k == 0:
+            return out
+        try:
+            if given is not None:
+                if k != n:
+                    raise ValueError(
+                        f"SlotMap.insert: expected distinct ids not yet present, got {n - k} "
+                        f"present or repeated"
+                    )
+                slots = given
+            else:
+                assert alloc is not None
+                slots = alloc(k)
+            if slots.dtype != torch.int64 or slots.shape != (k,) or int(slots.min()) < 0:
+                raise ValueError(
+                    f"SlotMap alloc: expected {k} int64 slots >= 0, got {slots.dtype} "
+                    f"{tuple(slots.shape)}"
+                )
+            slots = slots.contiguous()
+            self._reserve_slots(int(slots.max()) + 1)
+        except BaseException:
+            self._k.revert(kv, new_pos.data_ptr(), k)  # the map is as it was
+            raise
+        self._k.resolve(
+            kv,
+            self._slot_pos.data_ptr(),
+            new_pos.data_ptr(),
+            slots.data_ptr(),
+            k,
+            out.data_ptr(),
+            n,
+        )
+        self._used += k
+        self._live += k
+        return out
+
+
+def _int64(ids: torch.Tensor) -> torch.Tensor:
+    """``ids`` as the native loops read them: contiguous 1-D int64 (they index raw memory)."""
+    if ids.dtype != torch.int64 or ids.dim() != 1:
+        raise ValueError(
+            f"ids: expected a 1-D int64 tensor, got {ids.dtype} of shape {tuple(ids.shape)}"
+        )
+    return ids.contiguous()
+
+
+def new_slot_map(min_capacity: int = 1 << _MIN_BITS) -> SlotMap:
+    """A :class:`NativeSlotMap` where the native library loads, else a :class:`SlotMap`."""
+    kernels = _native.kernels()
+    if kernels is None:
+        return SlotMap(min_capacity)
+    return NativeSlotMap(kernels, min_capacity)
+
+
+def _restore(state: dict[str, object]) -> SlotMap:
+    """Unpickle into a native map where this process can run one."""
+    kernels = _native.kernels()
+    out = object.__new__(SlotMap if kernels is None else NativeSlotMap)
+    out.__dict__.update(state)
+    out.__dict__.pop("_k", None)
+    if kernels is not None:
+        out.__dict__["_k"] = kernels
+    return out

@@ -245,6 +245,13 @@ class OdpsSink:
         return f"odps:{where}"
 
     @property
+    def location(self) -> str:
+        """Where the rows go, for a person: project, table and partition (no credentials)."""
+        where = f"ODPS table {self._project}.{self._table}"
+        spec = self.partition_spec
+        return f"{where}, partition {spec}" if spec else where
+
+    @property
     def partition_spec(self) -> str | None:
         return ",".join(f"{k}={v}" for k, v in self._partition) or None
 

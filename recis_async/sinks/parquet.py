@@ -89,6 +89,11 @@ class ParquetSink:
     def name(self) -> str:
         return f"parquet:{self.directory}"
 
+    @property
+    def location(self) -> str:
+        """Where the rows go, for a person: the part files' absolute folder."""
+        return str(self.directory.absolute())
+
     def __repr__(self) -> str:
         return f"ParquetSink({str(self._root)!r}, {self._table!r}, partition={self._partition!r})"
 

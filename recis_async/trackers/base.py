@@ -8,10 +8,12 @@ time (by :class:`~recis_async.trackers.TrackerService`), in the order ``start`` 
 from __future__ import annotations
 
 import math
+import os
 import posixpath
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
+from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 import numpy as np
@@ -201,3 +203,25 @@ def params_for_text(params: Mapping[str, Any]) -> dict[str, str | float | bool]:
 def chunked(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
     for i in range(0, len(items), size):
         yield items[i : i + size]
+
+
+def tracker_location(tracker: object, project: str) -> str:
+    """Where a tracker keeps a run, for a person: a folder, or an MLflow tracking URI without
+    its user and password; other trackers by their ``repr``."""
+    run_dir = getattr(tracker, "run_dir", None)
+    root = getattr(tracker, "root", None)
+    if run_dir is not None:
+        return os.path.abspath(run_dir)
+    if root is not None:
+        return os.path.join(os.path.abspath(root), project, "<run>")
+    log_dir = getattr(tracker, "log_dir", None)
+    if log_dir is not None:
+        return os.path.abspath(log_dir)
+    if hasattr(tracker, "tracking_uri"):
+        uri = getattr(tracker, "tracking_uri", None)
+        if not uri:
+            return "MLflow (its default tracking URI)"
+        parts = urlsplit(str(uri))
+        netloc = parts.netloc.rpartition("@")[2]
+        return f"MLflow at {urlunsplit(parts._replace(netloc=netloc))}"
+    return repr(tracker)

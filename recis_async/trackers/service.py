@@ -28,6 +28,7 @@ from typing import Any, Literal
 import anyio
 import msgspec
 
+from ..console import log_failure
 from ..events import EndStatus
 from .base import RunSpec, StepRecord, Tracker, encode_value, record_nbytes
 
@@ -59,6 +60,11 @@ def check_settings(
         )
 
 
+def default_spill_dir() -> Path:
+    """Where tracker records that could not be delivered go unless ``spill_dir`` is given."""
+    return Path(tempfile.gettempdir(), "recis_async_spill")
+
+
 class TrackerError(RuntimeError):
     """A tracker call failed in the background (the original error is ``__cause__``)."""
 
@@ -85,11 +91,7 @@ class TrackerService:
         self.max_buffer_bytes = max_buffer_bytes
         self.flush_interval = float(flush_interval)
         self.on_error: OnError = on_error
-        self.spill_dir = (
-            Path(spill_dir)
-            if spill_dir is not None
-            else Path(tempfile.gettempdir(), "recis_async_spill")
-        )
+        self.spill_dir = Path(spill_dir) if spill_dir is not None else default_spill_dir()
         self.spill_path: Path | None = None
         self._status: EndStatus = default_status
         self._pending: deque[tuple[StepRecord, int]] = deque()
@@ -216,12 +218,14 @@ class TrackerService:
                 if self.on_error == "log":
                     await self._spill(batch)
                     self._clear_inflight()
-                    log.error(
+                    log_failure(
+                        log,
+                        self._counts["errors"],
+                        exc,
                         "%s: tracker.log failed; %d records spilled to %s",
                         self.name,
                         len(batch),
                         self.spill_path,
-                        exc_info=exc,
                     )
                     continue
                 await self._give_up(exc, "log", batch)
