@@ -3,12 +3,39 @@ what was expected and what arrived."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import tempfile
-from typing import Any
+from typing import Any, cast
 
-__all__ = ["creatable_dir", "exactly_one", "positive_int", "positive_number", "writable_dir"]
+__all__ = [
+    "boolean",
+    "creatable_dir",
+    "dir_path",
+    "exactly_one",
+    "logger_or",
+    "positive_int",
+    "positive_number",
+    "writable_dir",
+]
+
+
+def boolean(owner: str, field: str, value: Any) -> bool:
+    """``value`` if it is ``True`` or ``False``: ``"no"``, ``0`` or ``None`` are refused, not
+    read by their truth value."""
+    if value is not True and value is not False:
+        raise TypeError(f"{owner}({field}=...): expected a bool, got {value!r}")
+    return value
+
+
+def logger_or(owner: str, value: Any, default: str) -> logging.Logger:
+    """``value`` if it is a logger, the logger named ``default`` for ``None``."""
+    if value is None:
+        return logging.getLogger(default)
+    if not isinstance(value, logging.Logger | logging.LoggerAdapter):
+        raise TypeError(f"{owner}(logger=...): expected a logging.Logger or None, got {value!r}")
+    return cast(logging.Logger, value)
 
 
 def positive_int(owner: str, field: str, value: Any) -> int:
@@ -70,6 +97,12 @@ def creatable_dir(owner: str, field: str, value: Any) -> str:
     except OSError as exc:
         raise _unwritable(owner, field, value, exc) from exc
     return path
+
+
+def dir_path(owner: str, field: str, value: Any) -> str:
+    """``value`` as an absolute directory path, checked for type only (a directory that is
+    checked for writing where it is used)."""
+    return _dir_path(owner, field, value)
 
 
 def _dir_path(owner: str, field: str, value: Any) -> str:

@@ -13,11 +13,12 @@ cancellation.  The body's own exception propagates unchanged.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import signal
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from contextvars import Token
 from time import perf_counter
 from types import TracebackType
@@ -28,6 +29,7 @@ import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 
 from . import dist
+from ._checks import boolean, positive_number
 from .collect import StepCollector, _current
 from .console import TRACEBACKS_LOGGED, log_failure
 from .errors import HookError
@@ -69,11 +71,8 @@ class HookBus:
     """
 
     def __init__(self, flush_timeout: float = 60.0, *, handle_signals: bool = True) -> None:
-        if isinstance(flush_timeout, bool) or not isinstance(flush_timeout, int | float):
-            raise TypeError(f"flush_timeout: expected a number of seconds, got {flush_timeout!r}")
-        if not flush_timeout > 0:
-            raise ValueError(f"flush_timeout: expected > 0 seconds, got {flush_timeout!r}")
-        self.flush_timeout = float(flush_timeout)
+        self.flush_timeout = positive_number("HookBus", "flush_timeout", flush_timeout)
+        self._handle_signals = boolean("HookBus", "handle_signals", handle_signals)
         self._subs: list[Subscription] = []
         self._routes: dict[type, Route] = {}
         self._seq = 0
@@ -83,14 +82,15 @@ class HookBus:
         self._tg: TaskGroup | None = None
         self._state = "new"  # new -> open -> closing -> closed
         self._end_published = False
+        self._unawaited: Coroutine[Any, Any, None] | None = None  # see publish()
         self._collector = StepCollector()
         self._token: Token[StepCollector | None] | None = None
         self._stop_reason: str | None = None
-        self._handle_signals = handle_signals
         self._signal: int | None = None  # the first stop signal received
         self._hurry = False  # a second signal: close without waiting
         self._close_scope: anyio.CancelScope | None = None
         self._service_scopes: list[anyio.CancelScope] = []
+        self._signal_scope: anyio.CancelScope | None = None
         self._last_yield = 0.0
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -123,6 +123,8 @@ class HookBus:
         finally:
             for scope in self._service_scopes:  # every service returned already, normally
                 scope.cancel()
+            if self._signal_scope is not None:
+                self._signal_scope.cancel()
             tg.cancel_scope.cancel()
             if isinstance(exc, anyio.get_cancelled_exc_class()):
                 # Our own cancel scope (a second signal) swallows its cancellation here; an
@@ -163,6 +165,9 @@ class HookBus:
             return []
         self._state = "closing"
         errors: list[HookError] = []
+        if self._unawaited is not None:
+            lost, event_name = self._unawaited_error("leaving the bus")
+            errors.append(HookError(str(lost), subscriber="publish", event=event_name))
         with anyio.CancelScope(shield=True):
             deadline = anyio.current_time() + (0.0 if self._hurry else self.flush_timeout)
             if not self._end_published:
@@ -234,10 +239,20 @@ class HookBus:
             )
 
     async def _watch_signals(self, *, task_status: TaskStatus[None]) -> None:
-        """First SIGTERM/SIGINT: stop at the next step boundary; second: close at once."""
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        """First SIGTERM/SIGINT: stop at the next step boundary; second: close at once.
+
+        Shielded, so cancelling the body does not end it: it keeps the handlers installed
+        until close is done (else a third SIGINT would raise ``KeyboardInterrupt`` and a
+        SIGTERM would kill the process in the middle of spilling)."""
+        with (
+            anyio.CancelScope(shield=True) as scope,
+            anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals,
+        ):
+            self._signal_scope = scope
             task_status.started()
             async for signum in signals:
+                if self._hurry:
+                    continue  # closing at once already
                 if self._signal is None:
                     self._signal = int(signum)
                     logger.warning(
@@ -251,7 +266,7 @@ class HookBus:
                 logger.warning("second stop signal: closing at once, spilling what is left")
                 self._hurry = True
                 if self._state == "open" and self._tg is not None:
-                    self._tg.cancel_scope.cancel()  # cancels the body (and this task)
+                    self._tg.cancel_scope.cancel()  # cancels the body (not this shielded task)
                 elif self._close_scope is not None:
                     self._close_scope.deadline = -math.inf
 
@@ -483,12 +498,36 @@ class HookBus:
         return route
 
     # ------------------------------------------------------------------ publishing
-    async def publish(self, event: Event) -> None:
-        """Run every subscriber of ``event`` in order; return when all ran.
+    def publish(self, event: Event) -> Coroutine[Any, Any, None]:
+        """Run every subscriber of ``event`` in order; ``await`` it: it returns when all ran.
 
         A failing ``on_error="raise"`` subscriber raises :class:`HookError` here, as does a
-        background service that failed since the last publish.
+        background service that failed since the last publish.  A ``publish`` called without
+        ``await`` delivers nothing; the next ``publish`` (or leaving the bus) raises
+        ``RuntimeError`` naming its event, instead of Python only warning when it is
+        collected.
         """
+        # A plain method returning the coroutine, so that the call itself is seen: the
+        # coroutine clears the mark when it starts.  One call more per publish, no task.
+        if self._unawaited is not None:
+            raise self._unawaited_error("publish()")[0]
+        self._unawaited = coro = self._publish(event)
+        return coro
+
+    def _unawaited_error(self, where: str) -> tuple[RuntimeError, str]:
+        """The error for the publish never awaited, and its event's name."""
+        coro, self._unawaited = self._unawaited, None
+        frame = getattr(coro, "cr_frame", None)  # an unstarted coroutine holds its arguments
+        event = frame.f_locals.get("event") if frame is not None else None
+        if coro is not None:
+            coro.close()  # Python's own "never awaited" warning would only repeat this
+        return RuntimeError(
+            f"{where}: an earlier publish({type(event).__name__}) was never awaited, so it "
+            f"delivered nothing ({event!r:.120}); write `await bus.publish(event)`"
+        ), type(event).__name__
+
+    async def _publish(self, event: Event) -> None:
+        self._unawaited = None
         if self._state != "open" and self._state != "closing":  # End handlers may publish
             raise RuntimeError(
                 f"publish(): the bus is {self._state}; publish inside `async with HookBus()`"
@@ -523,8 +562,8 @@ class HookBus:
                     continue
                 if is_async:
                     await fn(event)
-                else:
-                    fn(event)
+                elif (result := fn(event)) is not None and inspect.isawaitable(result):
+                    await result  # a lambda or partial around a coroutine function
             except Exception as exc:
                 self._failed(sub, event, exc, None)
             now = perf_counter()
@@ -557,8 +596,8 @@ class HookBus:
                     continue
                 if is_async:
                     await fn(event)
-                else:
-                    fn(event)
+                elif (result := fn(event)) is not None and inspect.isawaitable(result):
+                    await result  # a lambda or partial around a coroutine function
             except Exception as exc:
                 self._failed(sub, event, exc, errors)
             now = perf_counter()
@@ -584,6 +623,7 @@ class HookBus:
             )
             err.__cause__ = exc
             if errors is None:
+                sub.calls += 1  # the publish loop, which counts the other calls, ends here
                 raise err
             errors.append(err)
             return
@@ -619,18 +659,23 @@ class HookBus:
             logger.info("outputs of this run:\n%s", "\n".join(lines))
 
     def _with_collected(self, event: AfterStep) -> AfterStep:
+        """``event`` with the collectors' values merged in.  Both sides were checked already
+        (the event when built, the values by ``add_metric`` and friends), so the copy is
+        filled in place of ``msgspec.structs.replace``, which would check them again."""
         metrics, trace, tracked, reduce = self._collector.take()
-        return msgspec.structs.replace(
-            event,
-            metrics={**metrics, **event.metrics} if event.metrics else metrics,
-            trace={**trace, **event.trace} if event.trace else trace,
-            tracked={**tracked, **event.tracked} if event.tracked else tracked,
-            reduce={**reduce, **event.reduce} if event.reduce else reduce,
-        )
+        merged: AfterStep = event.__copy__()  # type: ignore[attr-defined]  # C, unstubbed
+        fill = msgspec.structs.force_setattr
+        fill(merged, "metrics", {**metrics, **event.metrics} if event.metrics else metrics)
+        fill(merged, "trace", {**trace, **event.trace} if event.trace else trace)
+        fill(merged, "tracked", {**tracked, **event.tracked} if event.tracked else tracked)
+        fill(merged, "reduce", {**reduce, **event.reduce} if event.reduce else reduce)
+        return merged
 
     # ------------------------------------------------------------------ control
     def request_stop(self, reason: str = "") -> None:
         """Ask the loop to stop at the next step boundary; the first reason is kept."""
+        if not isinstance(reason, str):
+            raise TypeError(f"request_stop(reason=...): expected a str, got {reason!r}")
         if self._stop_reason is None:
             self._stop_reason = reason
             logger.info("stop requested%s", f": {reason}" if reason else "")

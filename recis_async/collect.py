@@ -70,13 +70,16 @@ def _check_name(caller: str, name: object) -> str:
     return name
 
 
-def _scalar_or_array(value: Any) -> Any:
+def _scalar_or_array(caller: str, name: str, value: Any) -> Any:
     """Tensors and numpy values as plain numbers when they hold one element, else numpy copies."""
     if isinstance(value, torch.Tensor):
+        _check_tensor(caller, name, value)
         value = value.detach()
         if value.numel() == 1:
             return value.item()
-        return value.cpu().numpy().copy()
+        if value.dtype in (torch.bfloat16, torch.float16):
+            value = value.float()  # bfloat16 has no numpy dtype; half is kept as float32 too
+        return _tensor_copy(caller, name, value)
     if isinstance(value, np.ndarray):
         return value.item() if value.size == 1 else value.copy()
     if isinstance(value, np.generic):
@@ -84,8 +87,30 @@ def _scalar_or_array(value: Any) -> Any:
     return value
 
 
+def _check_tensor(caller: str, name: str, value: torch.Tensor) -> None:
+    """Tensors whose values cannot be read here: named, with what to do instead."""
+    if value.is_meta:
+        raise ValueError(
+            f"{caller}({name!r}): expected a tensor holding data, got a tensor on the meta "
+            f"device (shape {tuple(value.shape)}, no values to record)"
+        )
+    if value.is_nested:
+        raise ValueError(
+            f"{caller}({name!r}): expected a dense tensor, got a nested tensor "
+            "(record its components, or .to_padded_tensor(0))"
+        )
+    if value.layout != torch.strided:
+        raise ValueError(
+            f"{caller}({name!r}): expected a dense tensor, got layout {value.layout} "
+            "(convert it first with .to_dense())"
+        )
+
+
 def add_metric(name: str, value: Any, reduce: Reduction = "mean") -> None:
-    """Record a metric for the current step (``AfterStep.metrics``).
+    """Record a metric for the current step (``AfterStep.metrics``): a number, a tensor or
+    numpy array (one element: a number; more: a numpy copy) or a list of numbers.  Other
+    plain values (a str, a non-numeric array) only with ``reduce="last"`` or a callable,
+    which can combine them; anything else is refused here, naming the metric and the type.
 
     ``reduce`` says how the values of an evaluation pass combine into ``AfterEval.metrics``
     (Lightning's ``reduce_fx``): ``"mean"`` (weighted by ``AfterStep.samples``), ``"sum"``,
@@ -93,12 +118,42 @@ def add_metric(name: str, value: Any, reduce: Reduction = "mean") -> None:
     array; see :class:`~recis_async.aggregate.MetricAggregator`.
     """
     collector = current_collector("add_metric")
-    _check_name("add_metric", name)
-    collector.metrics[name] = _scalar_or_array(value)
+    if type(name) is not str or not name:
+        _check_name("add_metric", name)
     if reduce != "mean":
-        collector.reduce[name] = check_reduction(f"add_metric({name!r}, reduce=...)", reduce)
+        reduce = check_reduction(f"add_metric({name!r}, reduce=...)", reduce)
+    if type(value) is not float and type(value) is not int:  # the common case, kept cheap
+        value = _metric_value(name, value, reduce)
+    collector.metrics[name] = value
+    if reduce != "mean":
+        collector.reduce[name] = reduce
     elif collector.reduce:
         collector.reduce.pop(name, None)
+
+
+def _metric_value(name: str, value: Any, reduce: Reduction) -> Any:
+    converted = value
+    if isinstance(value, list | tuple):
+        try:
+            converted = np.asarray(value) if value else np.zeros(0)
+        except ValueError:  # ragged
+            converted = None
+    converted = _scalar_or_array("add_metric", name, converted)
+    if isinstance(converted, np.ndarray) and converted.dtype.kind in "biuf":
+        return converted
+    if isinstance(converted, int | float):
+        return converted
+    numeric_reduce = isinstance(reduce, str) and reduce != "last"
+    if not numeric_reduce and isinstance(converted, str | np.ndarray):
+        return converted  # e.g. a tag kept with reduce="last"
+    what = type(value).__name__
+    if isinstance(value, np.ndarray | torch.Tensor):
+        what = f"{what} of dtype {value.dtype}"
+    raise TypeError(
+        f"add_metric({name!r}): expected a number, tensor, numeric numpy array or list of "
+        f"numbers (a str or other array needs reduce='last' or a callable), got {what} "
+        f"({value!r:.60})"
+    )
 
 
 def add_to_trace(name: str, value: Any) -> None:
@@ -114,18 +169,14 @@ def add_to_trace(name: str, value: Any) -> None:
     if type(value) is torch.Tensor:
         try:  # a CPU tensor without grad, conjugate or negative bits: the cheap way
             array = value.numpy().copy()
-        except (RuntimeError, TypeError):
-            array = _tensor_copy(name, value)
+        except (RuntimeError, TypeError, NotImplementedError):  # e.g. meta: named below
+            array = _tensor_copy("add_to_trace", name, value)
     elif isinstance(value, torch.Tensor):
-        array = _tensor_copy(name, value)
+        array = _tensor_copy("add_to_trace", name, value)
     elif isinstance(value, np.ndarray):
         array = value.copy()
     elif isinstance(value, list):
-        try:
-            array = np.asarray(value)
-        except ValueError:  # ragged rows, e.g. for an array<...> column
-            array = np.empty(len(value), dtype=object)
-            array[:] = [np.asarray(row) for row in value]
+        array = _list_array(value)
     else:
         raise ValueError(
             f"add_to_trace({name!r}): expected a torch.Tensor, numpy.ndarray or list, "
@@ -139,13 +190,29 @@ def add_to_trace(name: str, value: Any) -> None:
     collector.trace[name] = array
 
 
-def _tensor_copy(name: str, value: torch.Tensor) -> np.ndarray:
+def _list_array(value: list[Any] | tuple[Any, ...]) -> np.ndarray:
+    """A list as an array; ragged rows as an object array of rows.  Text stays Python
+    objects: numpy's fixed-width ``U``/``S`` arrays drop trailing NUL characters."""
+    try:
+        array = np.asarray(value)
+    except ValueError:  # ragged rows (for an array<...> column), or non-UTF-8 bytes beside str
+        array = np.empty(len(value), dtype=object)
+        for i, row in enumerate(value):
+            array[i] = _list_array(row) if isinstance(row, (list, tuple)) else row
+        return array
+    if array.dtype.kind in "SU":
+        array = np.array(value, dtype=object)
+    return array
+
+
+def _tensor_copy(caller: str, name: str, value: torch.Tensor) -> np.ndarray:
     """A numpy copy of any tensor: detached, on the CPU, conjugation and negation resolved."""
+    _check_tensor(caller, name, value)
     try:
         return value.detach().numpy(force=True).copy()
     except TypeError:  # no numpy dtype, e.g. bfloat16
         raise ValueError(
-            f"add_to_trace({name!r}): expected a tensor of a numpy-compatible dtype, "
+            f"{caller}({name!r}): expected a tensor of a numpy-compatible dtype, "
             f"got {value.dtype} (convert it first, e.g. .float())"
         ) from None
 
@@ -158,7 +225,7 @@ def add_to_ml_tracker(name: str, value: Any) -> None:
     if type(value) is float or type(value) is int:  # the common case, kept cheap on the step
         collector.tracked[name] = value
         return
-    converted = _scalar_or_array(value)
+    converted = _scalar_or_array("add_to_ml_tracker", name, value)
     if isinstance(converted, np.ndarray):
         converted = converted.tolist()
     if not isinstance(converted, Number | list):

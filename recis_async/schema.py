@@ -17,7 +17,7 @@ bigint, int        integer arrays whose values fit int64 / int32
 double, float      integer or floating-point arrays (stored as float64 / float32)
 boolean            bool arrays, or integer arrays holding only 0 and 1
 string             str values (numpy ``U`` arrays, lists); bytes must be valid UTF-8
-binary             bytes values (numpy ``S`` arrays, lists), or a 2-D uint8 array
+binary             bytes values (lists, object or ``S`` arrays), or a 2-D uint8 array
                    ``(rows, n)`` giving ``n`` bytes per row; str is stored as UTF-8
 datetime           ``datetime64`` arrays or naive ``datetime.datetime`` values, kept at
                    millisecond precision as naive (local wall-clock) times, which is how
@@ -27,6 +27,9 @@ array<T>           a 2-D array ``(rows, n)`` (one array of ``n`` elements per ro
 =================  ===================================================================
 
 Missing values (``None``, ``NaT``) are refused: trace rows are complete by construction.
+Text is kept byte for byte, NUL characters included; only numpy's fixed-width ``U``/``S``
+arrays cannot hold trailing NULs (numpy drops them itself), so pass such values as lists or
+object arrays (``add_to_trace`` keeps lists of text as objects).
 
 Converted data is copied, so later changes to the caller's arrays do not reach the trace --
 except for contiguous, read-only arrays of exactly the stored dtype that own their memory
@@ -256,11 +259,12 @@ def _check_1d(arr: np.ndarray) -> None:
 def _numeric(arr: np.ndarray, type_name: str) -> np.ndarray:
     dtype = _NUMPY_DTYPES[type_name]
     kind = arr.dtype.kind
-    if kind == "O":
-        try:
-            arr = np.array(arr.tolist())
-        except ValueError as exc:
-            raise _Reject(f"expected numbers, got object values ({exc})") from None
+    if kind == "O":  # e.g. a list holding None, or ints beyond 64 bits: name the first
+        items = arr.tolist()
+        unfit = _first_unfit(items, type_name)
+        if unfit:
+            raise _Reject(unfit)
+        arr = np.array(items, dtype=np.float64 if type_name in ("double", "float") else None)
         kind = arr.dtype.kind
     if type_name in ("bigint", "int"):
         if kind not in "iu":
@@ -288,6 +292,33 @@ def _numeric(arr: np.ndarray, type_name: str) -> np.ndarray:
         elif kind != "b":
             raise _Reject(f"expected bool values, got {arr.dtype}")
     return np.array(arr, dtype=dtype, copy=True)
+
+
+def _first_unfit(items: list[Any], type_name: str) -> str | None:
+    """Why ``items`` cannot be ``type_name`` values: the first non-number, or a number out
+    of the type's range (Python ints have no bound); None when they all fit."""
+    dtype = _NUMPY_DTYPES[type_name]
+    integral = type_name in ("bigint", "int")
+    for row, item in enumerate(items):
+        if isinstance(item, bool | np.bool_) or not isinstance(item, int | float | np.number):
+            if type_name == "boolean" and isinstance(item, bool | np.bool_):
+                continue
+            return f"expected numbers, got {type(item).__name__} ({item!r:.40}) at row {row}"
+        if isinstance(item, int):
+            low, high = (
+                (int(np.iinfo(dtype).min), int(np.iinfo(dtype).max))
+                if integral
+                else (-float(np.finfo(dtype).max), float(np.finfo(dtype).max))
+            )
+            if not low <= item <= high:
+                text = (
+                    str(item)
+                    if len(str(item)) <= 40
+                    else f"{str(item)[:20]}... ({len(str(item))} digits)"
+                )
+                bounds = f"[{low}, {high}]" if integral else f"[{low:.6g}, {high:.6g}]"
+                return f"expected values within {type_name} range {bounds}, got {text} at row {row}"
+    return None
 
 
 def _datetime(value: Any) -> np.ndarray:
@@ -332,6 +363,10 @@ def _text(value: Any, type_name: str) -> tuple[np.ndarray, np.ndarray]:
         if value.dtype.kind not in "USO":
             expected = "str values" if type_name == "string" else "bytes values"
             raise _Reject(f"expected {expected}, got {value.dtype}")
+        if value.dtype.kind != "O":
+            # pyarrow reads numpy's fixed-width U/S items only up to their first NUL (and
+            # U items as raw UCS-4 for binary): hand it the items as Python objects instead
+            value = value.tolist()
     try:
         arr = pa.array(value, type=_ARROW_SCALARS[type_name], from_pandas=False)
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
@@ -387,10 +422,14 @@ def _array(value: Any, type_: OdpsType) -> Column:
             raise _Reject(
                 f"expected a 2-D array or a sequence of sequences, got {_describe(value)}"
             )
+        rows = value
         try:
-            value = np.asarray(value)
+            value = np.asarray(rows)
         except ValueError:  # ragged rows
-            value = np.array(list(value) + [None], dtype=object)[:-1]
+            value = np.array(list(rows) + [None], dtype=object)[:-1]
+        else:
+            if value.dtype.kind in "SU":  # keep text as objects: U/S drop trailing NULs
+                value = np.array(rows, dtype=object)
     if value.ndim == 2:
         rows, width = value.shape
         if rows * width > _OFFSET_MAX:
@@ -460,7 +499,8 @@ def freeze(value: np.ndarray) -> np.ndarray:
 def _fast(type_: OdpsType, value: np.ndarray) -> Column | None:
     """The common case without checks: a numeric array already of the stored dtype."""
     element = type_.element
-    if value.dtype != _FAST_DTYPES.get((element or type_).name):
+    dtype = _FAST_DTYPES.get((element or type_).name)
+    if dtype is None or value.dtype != dtype:  # (a float64 dtype equals None)
         return None
     if element is None:
         if value.ndim == 1:

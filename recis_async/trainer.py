@@ -172,6 +172,8 @@ class Trainer:
                     f"Trainer({field}=...): expected an iterable of batches or an object with "
                     f"windows(), got {type(dataset).__name__}"
                 )
+        if isinstance(hooks, Hook) or not isinstance(hooks, Iterable | None):
+            raise TypeError(f"Trainer(hooks=...): expected a list of Hooks, got {hooks!r:.80}")
         hooks = list(hooks or ())
         for i, hook in enumerate(hooks):
             if not isinstance(hook, Hook):
@@ -179,8 +181,17 @@ class Trainer:
         if not (isinstance(dense_optimizers, tuple | list) and len(dense_optimizers) == 2):
             raise TypeError(
                 "Trainer(dense_optimizers=...): expected (optimizer, lr_scheduler), "
-                f"got {dense_optimizers!r}"
+                f"got {type(dense_optimizers).__name__}"
             )
+        for i, (what, methods) in enumerate(
+            (("optimizer", ("step", "zero_grad")), ("lr_scheduler", ("step",)))
+        ):
+            given = dense_optimizers[i]
+            if given is not None and not all(callable(getattr(given, m, None)) for m in methods):
+                raise TypeError(
+                    f"Trainer(dense_optimizers[{i}]=...): expected the {what} (an object with "
+                    f"{'() and '.join(methods)}()) or None, got {type(given).__name__}"
+                )
         if bus is not None and not isinstance(bus, HookBus):
             raise TypeError(f"Trainer(bus=...): expected a HookBus, got {bus!r}")
         self.model = model
@@ -350,7 +361,7 @@ class Trainer:
                     await self._agree(bus, _END_EPOCH, at.global_step)
                     return
                 await bus.publish(at(AfterData))
-                loss = _loss_of(self.model(batch))
+                loss = _trainable(_loss_of(self.model(batch)))
                 (loss / accumulate if accumulate > 1 else loss).backward()
                 await bus.publish(at(AfterBackward))
                 if (self.global_step + 1) % accumulate == 0:
@@ -533,4 +544,15 @@ def _check_loss(loss: Any, where: str) -> torch.Tensor:
             else "the scalar loss tensor"
         )
         raise TypeError(f"{where}: expected {expected}, got {what}")
+    return loss
+
+
+def _trainable(loss: torch.Tensor) -> torch.Tensor:
+    """A training loss backward() can run through, or an error saying why not."""
+    if not loss.requires_grad:
+        raise ValueError(
+            "model(batch) in training: expected a loss that requires grad (computed from "
+            "parameters with requires_grad=True, outside torch.no_grad()), got a tensor "
+            f"without grad_fn ({loss.detach().reshape(()).item():.6g})"
+        )
     return loss

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from ._checks import creatable_dir
 from .buffer import Batch
 from .schema import OdpsType
 from .service import yield_to_services
@@ -139,7 +140,10 @@ class TraceWriter:
         self._backoff = float(retry_backoff)
         self._max_backoff = float(max_backoff)
         self._commit_wait = float(commit_wait)
-        self._spill_dir = Path(spill_dir) if spill_dir is not None else Path.cwd() / "trace_spill"
+        # proven writable now: a spill that cannot be written is lost data, found too late
+        self._spill_dir = Path(
+            creatable_dir(owner, "spill_dir", "trace_spill" if spill_dir is None else spill_dir)
+        )
         self._source = source
         self._max_age = None if max_age is None else float(max_age)
         self._tx: MemoryObjectSendStream[Batch]
@@ -421,6 +425,7 @@ class TraceWriter:
             # already under way end so its outcome is known, keep what was not delivered
             self._closing = True
             self._deadline = -math.inf
+            self._tx.close()  # idle workers return instead of waiting for more batches
             for scope in list(self._scopes):
                 scope.cancel()
             with anyio.CancelScope(shield=True):
@@ -460,10 +465,9 @@ class TraceWriter:
         def left() -> float:
             return max(0.0, deadline - anyio.current_time())
 
+        # Seal and register the remainder before the first await: a cancellation there (a
+        # second stop signal) must find it pending, or the spill in aclose would miss it.
         remainder = self._source.seal() if self._source is not None else None
-        with anyio.move_on_after(left()):
-            await self._running.wait()  # let run() start if the bus never yielded to it
-        workers_alive = self._running.is_set() and not self._finished.is_set()
         if remainder is not None:
             self._pending[id(remainder)] = remainder  # the backlog pass below takes it if
             try:  # the workers cannot (they may be cancelled along with the bus)
@@ -471,6 +475,9 @@ class TraceWriter:
             except anyio.WouldBlock:
                 pass
         self._closing = True
+        with anyio.move_on_after(left()):
+            await self._running.wait()  # let run() start if the bus never yielded to it
+        workers_alive = self._running.is_set() and not self._finished.is_set()
         self._deadline = deadline
         for scope in list(self._scopes):
             scope.deadline = deadline

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Mapping
@@ -323,6 +324,61 @@ async def test_stats_count_calls_and_time() -> None:
     assert 0.02 <= entry["max_s"] <= entry["total_s"]
 
 
+async def test_stats_count_a_call_that_raised_as_a_call() -> None:
+    def broken(event: Custom) -> None:
+        raise RuntimeError("always")
+
+    async with HookBus() as bus:
+        bus.subscribe(Custom, broken)  # on_error="raise"
+        for _ in range(3):
+            with pytest.raises(HookError):
+                await bus.publish(Custom())
+        stats = bus.stats()["subscribers"]
+    (entry,) = [v for k, v in stats.items() if "broken" in k]
+    assert (entry["calls"], entry["errors"]) == (3, 3)
+
+
+async def test_a_publish_never_awaited_is_named_by_the_next_publish() -> None:
+    seen: list[Event] = []
+    async with HookBus() as bus:
+        bus.subscribe(Event, seen.append)
+        bus.publish(BeforeStep(global_step=7))  # type: ignore[unused-coroutine]
+        with pytest.raises(
+            RuntimeError,
+            match=r"publish\(\): an earlier publish\(BeforeStep\) was never awaited, so it "
+            r"delivered nothing \(BeforeStep\(is_train=True, global_step=7.*\); write "
+            r"`await bus.publish\(event\)`",
+        ):
+            await bus.publish(AfterStep(global_step=7))
+        await bus.publish(AfterStep(global_step=8))  # reported once, then publishing goes on
+    assert [type(e).__name__ for e in seen] == ["AfterStep", "End"]
+
+
+async def test_a_publish_never_awaited_before_leaving_the_bus_is_an_error() -> None:
+    with pytest.raises(
+        HookError,
+        match=r"leaving the bus: an earlier publish\(Custom\) was never awaited",
+    ) as info:
+        async with HookBus() as bus:
+            bus.publish(Custom(n=5))  # type: ignore[unused-coroutine]
+    assert info.value.event == "Custom"
+
+
+async def test_a_sync_subscriber_returning_a_coroutine_is_awaited() -> None:
+    seen: list[int] = []
+
+    async def record(event: Custom) -> None:
+        await anyio.lowlevel.checkpoint()
+        seen.append(event.n)
+
+    async with HookBus() as bus, HookBus(handle_signals=False) as other:
+        bus.subscribe(Custom, lambda e: record(e))
+        other.subscribe(Custom, record)
+        bus.subscribe(Custom, other.publish)  # forwarding to another bus
+        await bus.publish(Custom(n=1))
+    assert seen == [1, 1]
+
+
 async def test_describe_shows_effective_order() -> None:
     class Probe(Hook):
         priority = Priority.LOW
@@ -459,8 +515,49 @@ async def test_bad_input_is_refused_at_the_call() -> None:
             bus.add_hook(hook)
         with pytest.raises(TypeError, match="expected a Hook instance"):
             bus.add_hook(print)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"flush_timeout: expected > 0 seconds, got 0"):
+    with pytest.raises(
+        ValueError, match=r"HookBus\(flush_timeout=...\): expected a positive number, got 0"
+    ):
         HookBus(flush_timeout=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        (
+            {"handle_signals": "no"},
+            TypeError,
+            r"HookBus\(handle_signals=...\): expected a bool, got 'no'",
+        ),
+        (
+            {"handle_signals": 0},
+            TypeError,
+            r"HookBus\(handle_signals=...\): expected a bool, got 0",
+        ),
+        ({"handle_signals": None}, TypeError, r"expected a bool, got None"),
+        (
+            {"flush_timeout": "60"},
+            ValueError,
+            r"HookBus\(flush_timeout=...\): expected a positive number, got '60'",
+        ),
+        ({"flush_timeout": math.nan}, ValueError, r"expected a positive number, got nan"),
+        ({"flush_timeout": math.inf}, ValueError, r"expected a positive number, got inf"),
+        ({"flush_timeout": True}, ValueError, r"expected a positive number, got True"),
+        ({"flush_timeout": -1}, ValueError, r"expected a positive number, got -1"),
+    ],
+)
+def test_constructor_arguments_are_checked(
+    kwargs: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        HookBus(**kwargs)
+
+
+async def test_request_stop_takes_a_str_reason() -> None:
+    async with HookBus() as bus:
+        with pytest.raises(TypeError, match=r"request_stop\(reason=...\): expected a str, got 3"):
+            bus.request_stop(3)  # type: ignore[arg-type]
+        assert not bus.should_stop
 
 
 async def test_publish_outside_the_block_is_refused() -> None:

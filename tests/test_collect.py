@@ -154,3 +154,66 @@ async def test_trace_tensors_of_every_kind_are_copied_as_their_values() -> None:
     assert trace["neg"].tolist() == [-2.0, 1.0]
     assert trace["plain"].tolist() == [5, 6]
     assert "bf" not in trace
+
+
+async def test_add_metric_refuses_what_is_not_a_number_tensor_or_array() -> None:
+    async with HookBus():
+        for bad, shown in (
+            ("abc", r"str \('abc'\)"),
+            (None, r"NoneType \(None\)"),
+            ({"a": 1}, r"dict"),
+            (1j, r"complex"),
+            (np.array(["a"]), r"ndarray of dtype <U1"),
+            (["a", "b"], r"list \(\['a', 'b'\]\)"),
+            ([[1], [2, 3]], r"list"),
+            (torch.zeros(2, dtype=torch.complex64), r"Tensor of dtype torch.complex64"),
+        ):
+            with pytest.raises(
+                TypeError,
+                match=r"add_metric\('loss'\): expected a number, tensor, numeric numpy array "
+                r"or list of numbers \(a str or other array needs reduce='last' or a callable\), "
+                rf"got {shown}",
+            ):
+                add_metric("loss", bad)
+        add_metric("tag", "batch-3", reduce="last")  # a str the reduction can combine
+        add_metric("names", np.array(["a"]), reduce=lambda v: v[-1])
+        with pytest.raises(TypeError, match=r"add_metric\('tag'\): .* got NoneType"):
+            add_metric("tag", None, reduce="last")
+
+
+async def test_add_metric_keeps_numbers_and_converts_tensors_arrays_and_lists() -> None:
+    seen: list[AfterStep] = []
+    async with HookBus() as bus:
+        bus.subscribe(AfterStep, seen.append)
+        add_metric("flag", True)
+        add_metric("n", np.int64(3))
+        add_metric("half", torch.tensor([1.0, 2.0], dtype=torch.bfloat16))
+        add_metric("grad", torch.tensor(0.5, requires_grad=True))
+        add_metric("xs", [0.1, 0.2])
+        await bus.publish(AfterStep())
+    metrics = seen[0].metrics
+    assert metrics["flag"] is True and metrics["n"] == 3 and metrics["grad"] == 0.5
+    assert metrics["half"].dtype == np.float32 and metrics["half"].tolist() == [1.0, 2.0]
+    assert metrics["xs"].tolist() == [0.1, 0.2]
+
+
+async def test_tensors_without_readable_values_are_refused_naming_the_call() -> None:
+    async with HookBus():
+        meta = torch.zeros(3, device="meta")
+        for call in (add_to_trace, add_metric, add_to_ml_tracker):
+            with pytest.raises(
+                ValueError,
+                match=rf"{call.__name__}\('x'\): expected a tensor holding data, got a tensor "
+                r"on the meta device \(shape \(3,\)",
+            ):
+                call("x", meta)
+        with pytest.raises(
+            ValueError,
+            match=r"add_to_trace\('x'\): expected a dense tensor, got layout torch.sparse_coo",
+        ):
+            add_to_trace("x", torch.zeros(3).to_sparse())
+        nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+        with pytest.raises(
+            ValueError, match=r"add_to_trace\('x'\): expected a dense tensor, got a nested"
+        ):
+            add_to_trace("x", nested)

@@ -56,6 +56,10 @@ def test_a_stop_on_one_rank_stops_both_at_the_same_step(tmp_path: Path) -> None:
     assert [s for _, s in r0["steps"]] == [0, 1, 2, 3]
     assert r0["steps"] == r1["steps"]
     assert r0["stop_reason_seen"] == "another rank requested a stop"
+    # the process group is gone with its threads before exit (it used to outlive
+    # destroy_process_group and be torn down, now and then aborting, at interpreter exit)
+    for r in (r0, r1):
+        assert not [t for t in r["threads_after_destroy"] if "gloo" in t], r
     assert r1["stop_reason_seen"] == "rank 1 asked"
     assert r0["status"] == r1["status"] == "ok"
 
@@ -88,6 +92,10 @@ def test_a_nan_loss_on_one_rank_stops_both_at_the_same_step(tmp_path: Path) -> N
     assert r0["steps"] == r1["steps"] == [[0, s] for s in range(4)]
     assert "NaN" in r1["stop_reason_seen"] or "nan" in r1["stop_reason_seen"].lower()
     assert r0["stop_reason_seen"] == "another rank requested a stop"
+    # the process group is gone with its threads before exit (it used to outlive
+    # destroy_process_group and be torn down, now and then aborting, at interpreter exit)
+    for r in (r0, r1):
+        assert not [t for t in r["threads_after_destroy"] if "gloo" in t], r
 
 
 def test_every_ranks_traced_rows_arrive_exactly_once(tmp_path: Path) -> None:

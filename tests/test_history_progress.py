@@ -281,3 +281,12 @@ def test_progress_bar_bad_input() -> None:
         ProgressBarHook(total=0)
     with pytest.raises(TypeError, match=r"metrics=...\): expected a list of names, got 'loss'"):
         ProgressBarHook(metrics="loss")
+    for bad in (3, [3], [""]):
+        with pytest.raises(TypeError, match=r"metrics=...\): expected a list of names, got"):
+            ProgressBarHook(metrics=bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"ProgressBarHook\(file=...\): expected a text stream"):
+        ProgressBarHook(file=3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"ProgressBarHook\(leave=...\): expected a bool, got 'no'"):
+        ProgressBarHook(leave="no")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"ProgressBarHook\(desc=...\): expected a str, got 3"):
+        ProgressBarHook(desc=3)  # type: ignore[arg-type]

@@ -168,3 +168,7 @@ def test_log_step_validation() -> None:
         ):
             LoggerHook(log_step=bad)  # type: ignore[arg-type]
     assert LoggerHook.rank_zero_only is True
+    with pytest.raises(
+        TypeError, match=r"LoggerHook\(logger=...\): expected a logging.Logger or None, got 'x'"
+    ):
+        LoggerHook(logger="x")  # type: ignore[arg-type]

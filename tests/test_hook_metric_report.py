@@ -158,6 +158,8 @@ def test_validation() -> None:
     with pytest.raises(TypeError, match="report_args: expected ReportArguments, got dict"):
         MetricReportHook(torch.nn.Linear(1, 1), {"interval_step": 3})  # type: ignore[arg-type]
     assert MetricReportHook(torch.nn.Linear(1, 1)).args.interval_step == 100
+    with pytest.raises(TypeError, match=r"MetricReportHook\(logger=...\): expected a logging"):
+        MetricReportHook(torch.nn.Linear(1, 1), logger=print)  # type: ignore[arg-type]
 
 
 async def test_real_hash_tables_in_the_report() -> None:

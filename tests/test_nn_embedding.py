@@ -123,5 +123,18 @@ def test_bad_inputs_name_the_field() -> None:
         EmbeddingOption(3, "")
     with pytest.raises(ValueError, match="EmbeddingOption.filter_hook: expected a FilterHook"):
         EmbeddingOption(3, "x", filter_hook=AdmitHook("ReadOnly"))  # type: ignore[arg-type]
+    # checked where they are given, not when a DynamicEmbedding builds its table
+    with pytest.raises(ValueError, match=r"EmbeddingOption.dtype: expected a floating torch.dtype"):
+        EmbeddingOption(3, "x", dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"EmbeddingOption.initializer: expected a callable"):
+        EmbeddingOption(3, "x", initializer=0.1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"EmbeddingOption.sparse: expected a bool, got 'yes'"):
+        EmbeddingOption(3, "x", sparse="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"EmbeddingOption.policies: expected a PolicyRegistry"):
+        EmbeddingOption(3, "x", policies={})  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match=r"ids: expected a dense tensor holding ids, got one on meta"
+    ):
+        emb(torch.zeros(2, dtype=torch.int64, device="meta"))
     with pytest.raises(ValueError, match="unknown admit policy 'Nope'"):
         DynamicEmbedding(EmbeddingOption(3, "x", admit_hook=AdmitHook("Nope")))

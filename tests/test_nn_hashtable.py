@@ -87,7 +87,7 @@ def test_default_initializer_is_zeros_and_bad_initializers_fail_at_construction(
     assert rows.std() > 0.1 and not torch.equal(rows[0], rows[1])
     with pytest.raises(ValueError, match="initializer.*shape"):
         HashTable(4, initializer=lambda t: torch.zeros(3))
-    with pytest.raises(ValueError, match="HashTable.initializer: expected a callable"):
+    with pytest.raises(ValueError, match=r"HashTable\(initializer=...\): expected a callable"):
         HashTable(4, initializer=0.1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="embedding_shape"):
         HashTable([4, 0])
@@ -95,6 +95,59 @@ def test_default_initializer_is_zeros_and_bad_initializers_fail_at_construction(
         HashTable(4, dtype=torch.int64)
     with pytest.raises(ValueError, match="ids: expected an integer tensor"):
         table(torch.tensor([1.0]))
+
+
+def test_bad_shapes_and_sizes_are_refused_before_allocating() -> None:
+    expected = r"HashTable\(embedding_shape=...\): expected a positive int or a non-empty sequence"
+    for bad, shown in ((4.0, "float 4.0"), ("64", "str '64'"), (True, "bool True"), (None, "None")):
+        with pytest.raises(ValueError, match=rf"{expected} of positive ints, got {shown}"):
+            HashTable(bad)  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError,
+        match=r"HashTable\(embedding_shape=1099511627776, capacity=1024\): 1024 rows of "
+        r"1099511627776 float32 values would take 4.0 PiB, more than this machine's .* of memory",
+    ):
+        HashTable(2**40)
+    with pytest.raises(ValueError, match=r"capacity=1099511627776\): .* would take 256.0 TiB"):
+        HashTable(64, capacity=2**40)
+
+
+def test_growth_beyond_the_machine_is_refused_naming_the_table(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    table = HashTable(4, name="user", capacity=16)
+    table(ids(*range(16)))
+    # a machine of 300 bytes: the 16 rows of 16 bytes fit, a growth to 24 rows does not
+    monkeypatch.setattr(hashtable_module, "_physical_memory", lambda: 300)
+    with pytest.raises(
+        ValueError,
+        match=r"HashTable 'user' growing to hold 17 ids: 24 rows of 4 float32 values would take "
+        r"384 B, more than this machine's 300 B of memory",
+    ):
+        table(ids(99))
+    assert table.ids_count() == 16 and table.capacity == 16
+    assert table(ids(3)).shape == (1, 4)  # the table stays usable
+
+
+def test_bad_clock_ids_and_registries_are_refused() -> None:
+    table = HashTable(4, filter_hook=FilterHook("GlobalStepFilter", {"filter_step": 1}))
+    with pytest.raises(
+        ValueError, match=r"HashTable.advance\(global_step=...\): expected an int >= 0, got -1"
+    ):
+        table.advance(-1)
+    with pytest.raises(
+        ValueError,
+        match=r"HashTable.scan_eviction\(now=...\): expected an int >= 0 or None, got 'x'",
+    ):
+        table.evict("x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"ids: expected a dense tensor holding ids, got one"):
+        table(torch.zeros(3).to_sparse().long())
+    with pytest.raises(
+        ValueError,
+        match=r"PolicyRegistry\(admit=...\): expected a mapping of name -> policy class or None, "
+        r"got int",
+    ):
+        PolicyRegistry(admit=3)  # type: ignore[arg-type]
 
 
 def test_dtype_follows_module_conversion() -> None:

@@ -145,14 +145,33 @@ def test_write_before_open_is_refused(tmp_path: Path) -> None:
         ({"table": "t", "partition": "1x=2"}, "partition: expected an identifier as key, got '1x'"),
         ({"table": "t", "partition": 5}, "partition: expected a string like"),
         ({"table": "t", "rank": -1}, "rank: expected an int >= 0 or None, got -1"),
+        ({"root": 3, "table": "t"}, "ParquetSink(root=...): expected a directory path, got 3"),
+        ({"root": "", "table": "t"}, "ParquetSink(root=...): expected a directory path, got ''"),
     ],
 )
 def test_constructor_validation(tmp_path: Path, kwargs: dict[str, object], message: str) -> None:
+    kwargs = {"root": tmp_path, **kwargs}
     with pytest.raises(ValueError) as info:
-        ParquetSink(tmp_path, **kwargs)  # type: ignore[arg-type]
+        ParquetSink(**kwargs)  # type: ignore[arg-type]
     assert message in str(info.value)
 
 
 def test_partition_may_be_a_mapping(tmp_path: Path) -> None:
     sink = ParquetSink(tmp_path, "t", {"dt": 20261122, "hour": "07"})
     assert sink.directory == tmp_path / "t" / "dt=20261122" / "hour=07"
+
+
+@pytest.mark.parametrize("partition", ["a=5", "dt=1,A=5"])
+def test_a_partition_key_named_like_a_field_is_refused_at_the_call(
+    tmp_path: Path, partition: str
+) -> None:
+    """Readers restore partition keys as columns: a field of the same name made the dataset
+    unreadable ("Unable to merge: Field a has incompatible types")."""
+    from recis_async.hooks import TraceHook
+
+    sink = ParquetSink(tmp_path, "tp", partition)
+    with pytest.raises(ValueError, match=r"TraceHook\(fields=...\): field 'a' .*key .*table 'tp'"):
+        TraceHook(sink, ["a", "b"], ["bigint", "bigint"])
+    with pytest.raises(ValueError, match=r"field 'a' .*partition key .*table 'tp'"):
+        sink.open(("a",), (parse_type("bigint"),))
+    TraceHook(sink, ["b"], ["bigint"])  # other names are fine

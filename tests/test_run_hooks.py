@@ -192,8 +192,17 @@ async def test_nan_hook_checks_arrays_skips_eval_and_refuses_a_missing_loss() ->
 
 
 def test_nan_hook_bad_input() -> None:
-    with pytest.raises(TypeError, match=r"fail_on_nan_loss=...\): expected a bool, got 'yes'"):
-        NanTensorHook("yes")  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError,
+        match=r"fail_on_nan_loss=...\): expected a bool, got str 'loss' \(the loss is read "
+        r"from AfterStep.metrics: record it with add_metric\('loss', loss\) and name it with "
+        r"loss_key=...\)",
+    ):
+        NanTensorHook("loss")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"expected a bool, got Tensor tensor\(1.\) \(the loss"):
+        NanTensorHook(torch.tensor(1.0))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"fail_on_nan_loss=...\): expected a bool, got int 1$"):
+        NanTensorHook(1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"loss_key=...\): expected a metric name, got ''"):
         NanTensorHook(loss_key="")
 

@@ -184,6 +184,21 @@ def test_byte_accounting_is_exact() -> None:
             "field 'f' (bigint): expected an array or list with one entry per row, got int (7)",
         ),
         ("string", "abc", "expected an array or list with one entry per row, got str ('abc')"),
+        (
+            "bigint",
+            [1, 2**70],
+            "field 'f' (bigint): expected values within bigint range "
+            "[-9223372036854775808, 9223372036854775807], got 1180591620717411303424 at row 1",
+        ),
+        ("bigint", [-(2**70)], "got -1180591620717411303424 at row 0"),
+        ("int", np.array([3, 2**65], dtype=object), "int range [-2147483648, 2147483647], got"),
+        ("double", [1.0, 2**1100], "double range [-1.79769e+308, 1.79769e+308], got 1358"),
+        ("bigint", [1, None], "field 'f' (bigint): expected numbers, got NoneType (None) at row 1"),
+        (
+            "double",
+            [0.5, None],
+            "field 'f' (double): expected numbers, got NoneType (None) at row 1",
+        ),
     ],
 )
 def test_bad_values_are_refused_with_field_expected_and_actual(

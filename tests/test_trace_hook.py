@@ -228,6 +228,11 @@ async def test_a_bad_step_fails_its_publish_and_buffers_nothing(tmp_path: Path) 
             TypeError,
             "TraceHook(sink=...): expected a Sink (name, open, write, close), got object",
         ),
+        (
+            {"spill_dir": 3},
+            ValueError,
+            "TraceHook(spill_dir=...): expected a directory path, got 3",
+        ),
     ],
 )
 def test_constructor_arguments_are_checked(
@@ -238,6 +243,17 @@ def test_constructor_arguments_are_checked(
     with pytest.raises(error) as info:
         TraceHook(**args)
     assert message in str(info.value)
+
+
+def test_a_spill_dir_that_cannot_be_written_is_refused_at_construction(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(
+        ValueError,
+        match=r"TraceHook\(spill_dir=...\): expected a writable directory, got .*file/spill.* "
+        r"\(NotADirectoryError",
+    ):
+        TraceHook(ParquetSink(tmp_path, "t"), FIELDS, TYPES, spill_dir=blocker / "spill")
 
 
 def test_trace_to_odps_hook_is_trace_hook_on_an_odps_sink(server: OdpsServer) -> None:

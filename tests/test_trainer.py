@@ -241,6 +241,25 @@ def test_bad_arguments_are_refused() -> None:
         Trainer(Model(), train_dataset=3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"dense_optimizers"):
         Trainer(Model(), dense_optimizers=None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"Trainer\(hooks=...\): expected a list of Hooks, got <"):
+        Trainer(Model(), hooks=Recorder())  # type: ignore[arg-type]
+    model = Model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(
+        TypeError,
+        match=r"Trainer\(dense_optimizers=...\): expected \(optimizer, lr_scheduler\), got SGD$",
+    ):
+        Trainer(model, dense_optimizers=opt)  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError,
+        match=r"Trainer\(dense_optimizers\[0\]=...\): expected the optimizer \(an object with "
+        r"step\(\) and zero_grad\(\)\) or None, got int",
+    ):
+        Trainer(model, dense_optimizers=(3, None))
+    with pytest.raises(
+        TypeError, match=r"Trainer\(dense_optimizers\[1\]=...\): expected the lr_scheduler"
+    ):
+        Trainer(model, dense_optimizers=(opt, "cosine"))
 
 
 async def test_non_scalar_loss_is_refused_naming_the_shape() -> None:
@@ -259,6 +278,26 @@ async def test_non_scalar_loss_is_refused_naming_the_shape() -> None:
         TypeError,
         match=r"expected the scalar loss tensor, a dict with 'loss' or a tuple whose first item "
         r"is the loss, got a tensor of shape \(4, 1\)",
+    ):
+        await trainer.train()
+
+
+async def test_a_loss_without_grad_is_refused_before_backward() -> None:
+    class Detached(Model):
+        def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            return super().forward(batch).detach()
+
+    model = Detached()
+    trainer = Trainer(
+        model,
+        TrainingArguments(save_steps=None),
+        train_dataset=batches(1),
+        dense_optimizers=(torch.optim.SGD(model.parameters(), 0.1), None),
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"model\(batch\) in training: expected a loss that requires grad .*, got a "
+        r"tensor without grad_fn",
     ):
         await trainer.train()
 

@@ -26,6 +26,7 @@ import msgspec
 import numpy as np
 
 from .. import dist
+from .._checks import logger_or
 from ..events import AfterEval, AfterStep, BeforeStep
 from ..hook import Hook
 
@@ -95,7 +96,7 @@ class LoggerHook(Hook):
         if not callable(clock):
             raise TypeError(f"LoggerHook.clock: expected a callable, got {clock!r}")
         self.log_step = log_step
-        self.logger = logger or logging.getLogger("recis_async.hooks.logger")
+        self.logger = logger_or(type(self).__name__, logger, "recis_async.hooks.logger")
         self._clock = clock
         self._windows = {True: _Window(), False: _Window()}
         # per mode: whether the publisher numbers its steps (a nonzero local_step was seen);

@@ -22,6 +22,7 @@ import anyio
 import msgspec
 import torch
 
+from .._checks import logger_or
 from ..events import AfterData, AfterStep, BeforeStep
 from ..hook import Hook
 from ._jobs import JobQueue
@@ -86,7 +87,7 @@ class MetricReportHook(Hook):
             )
         self.model = model
         self.args = report_args
-        self.logger = logger or logging.getLogger("recis_async.hooks.metric_report")
+        self.logger = logger_or(type(self).__name__, logger, "recis_async.hooks.metric_report")
         self.last_report: tuple[int, dict[str, float]] | None = None
         self._clock = clock
         self._bus: HookBus | None = None

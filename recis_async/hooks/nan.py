@@ -7,6 +7,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from ..events import AfterStep
 from ..hook import Hook
@@ -46,8 +47,15 @@ class NanTensorHook(Hook):
 
     def __init__(self, fail_on_nan_loss: bool = True, *, loss_key: str = "loss") -> None:
         if not isinstance(fail_on_nan_loss, bool):
+            hint = ""
+            if isinstance(fail_on_nan_loss, str | torch.Tensor):  # TF's NanTensorHook(loss)
+                hint = (
+                    " (the loss is read from AfterStep.metrics: record it with "
+                    "add_metric('loss', loss) and name it with loss_key=...)"
+                )
             raise TypeError(
-                f"NanTensorHook(fail_on_nan_loss=...): expected a bool, got {fail_on_nan_loss!r}"
+                f"NanTensorHook(fail_on_nan_loss=...): expected a bool, got "
+                f"{type(fail_on_nan_loss).__name__} {fail_on_nan_loss!r:.40}{hint}"
             )
         if not isinstance(loss_key, str) or not loss_key:
             raise ValueError(

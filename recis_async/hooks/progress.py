@@ -6,7 +6,7 @@ import numbers
 from collections.abc import Callable, Iterable
 from typing import IO, Any
 
-from .._checks import positive_int, positive_number
+from .._checks import boolean, positive_int, positive_number
 from ..console import route_logging_through_bar
 from ..events import AfterStep, BeforeStep, End
 from ..hook import Hook
@@ -49,12 +49,20 @@ class ProgressBarHook(Hook):
             ) from exc
         self._tqdm = tqdm
         self.total = None if total is None else positive_int(owner, "total", total)
-        if isinstance(metrics, str):
-            raise TypeError(f"{owner}(metrics=...): expected a list of names, got {metrics!r}")
-        self.metrics = None if metrics is None else list(metrics)
+        names: list[Any] | None = None
+        if metrics is not None:
+            if isinstance(metrics, Iterable) and not isinstance(metrics, str):
+                names = list(metrics)
+            if names is None or not all(isinstance(m, str) and m for m in names):
+                raise TypeError(f"{owner}(metrics=...): expected a list of names, got {metrics!r}")
+        self.metrics = names
+        if not isinstance(desc, str):
+            raise TypeError(f"{owner}(desc=...): expected a str, got {desc!r}")
+        if file is not None and not callable(getattr(file, "write", None)):
+            raise TypeError(f"{owner}(file=...): expected a text stream or None, got {file!r}")
         self.desc = desc
         self.file = file
-        self.leave = leave
+        self.leave = boolean(owner, "leave", leave)
         self.mininterval = positive_number(owner, "mininterval", mininterval)
         self._bar: Any = None
         self._unroute: Callable[[], None] | None = None

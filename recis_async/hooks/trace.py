@@ -86,6 +86,9 @@ class TraceHook(Hook):
                 f"got {size_threshold!r}"
             )
         self._buffer = ColumnBuffer(fields, types)
+        check_fields = getattr(sink, "check_fields", None)  # e.g. ParquetSink's partition keys
+        if check_fields is not None:
+            check_fields(self._buffer.fields, type(self).__name__)
         self._threshold = size_threshold
         self._max_age = max_age
         self._writer = TraceWriter(

@@ -61,6 +61,22 @@ class EmbeddingOption:
                 f"EmbeddingOption.filter_hook: expected a FilterHook or None, "
                 f"got {type(self.filter_hook).__name__}"
             )
+        if self.initializer is not None and not callable(self.initializer):
+            raise ValueError(
+                f"EmbeddingOption.initializer: expected a callable or None, "
+                f"got {type(self.initializer).__name__}"
+            )
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise ValueError(
+                f"EmbeddingOption.dtype: expected a floating torch.dtype, got {self.dtype!r}"
+            )
+        if not isinstance(self.policies, PolicyRegistry):
+            raise ValueError(
+                f"EmbeddingOption.policies: expected a PolicyRegistry, "
+                f"got {type(self.policies).__name__}"
+            )
+        if type(self.sparse) is not bool:
+            raise ValueError(f"EmbeddingOption.sparse: expected a bool, got {self.sparse!r}")
 
 
 class DynamicEmbedding(nn.Module):

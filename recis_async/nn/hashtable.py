@@ -14,6 +14,7 @@ chunks, and frees it.  A row looked up after the scan is never evicted by it.
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 import weakref
@@ -66,13 +67,47 @@ class EvictionPlan:
 
 
 def _shape(embedding_shape: int | Sequence[int]) -> tuple[int, ...]:
-    dims = (embedding_shape,) if isinstance(embedding_shape, int) else tuple(embedding_shape)
+    if isinstance(embedding_shape, int) and not isinstance(embedding_shape, bool):
+        dims: tuple[Any, ...] = (embedding_shape,)
+    elif isinstance(embedding_shape, Sequence) and not isinstance(embedding_shape, str | bytes):
+        dims = tuple(embedding_shape)
+    else:
+        dims = ()
     if not dims or any(type(d) is not int or d <= 0 for d in dims):
         raise ValueError(
-            f"HashTable.embedding_shape: expected a positive int or a non-empty sequence of "
-            f"positive ints, got {embedding_shape!r}"
+            f"HashTable(embedding_shape=...): expected a positive int or a non-empty sequence of "
+            f"positive ints, got {type(embedding_shape).__name__} {embedding_shape!r:.60}"
         )
     return dims
+
+
+def _physical_memory() -> int | None:
+    """Bytes of RAM of this machine, when the platform tells."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _check_fits(what: str, rows: int, dim: int, dtype: torch.dtype) -> None:
+    """Refuse, before allocating, rows that could never fit in this machine's memory: a
+    huge allocation fails with torch's raw message or, worse, gets the process killed."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    need = rows * dim * itemsize
+    total = _physical_memory()
+    if total is not None and need > total:
+        raise ValueError(
+            f"{what}: {rows} rows of {dim} {str(dtype).removeprefix('torch.')} values would "
+            f"take {_fmt_bytes(need)}, more than this machine's {_fmt_bytes(total)} of memory"
+        )
 
 
 class HashTable(nn.Module):
@@ -111,20 +146,22 @@ class HashTable(nn.Module):
         super().__init__()
         self.embedding_shape = _shape(embedding_shape)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"HashTable.dtype: expected a floating torch.dtype, got {dtype!r}")
+            raise ValueError(
+                f"HashTable(dtype=...): expected a floating torch.dtype, got {dtype!r}"
+            )
         if initializer is not None and not callable(initializer):
             kind = type(initializer).__name__
-            raise ValueError(f"HashTable.initializer: expected a callable or None, got {kind}")
+            raise ValueError(f"HashTable(initializer=...): expected a callable or None, got {kind}")
         if not isinstance(name, str) or not name:
-            raise ValueError(f"HashTable.name: expected a non-empty str, got {name!r}")
+            raise ValueError(f"HashTable(name=...): expected a non-empty str, got {name!r}")
         if not isinstance(policies, PolicyRegistry):
             raise ValueError(
-                f"HashTable.policies: expected a PolicyRegistry, got {type(policies).__name__}"
+                f"HashTable(policies=...): expected a PolicyRegistry, got {type(policies).__name__}"
             )
         if type(capacity) is not int or capacity < 1:
-            raise ValueError(f"HashTable.capacity: expected an int >= 1, got {capacity!r}")
+            raise ValueError(f"HashTable(capacity=...): expected an int >= 1, got {capacity!r}")
         if type(sparse) is not bool:
-            raise ValueError(f"HashTable.sparse: expected a bool, got {sparse!r}")
+            raise ValueError(f"HashTable(sparse=...): expected a bool, got {sparse!r}")
         self.name = name
         self.sparse = sparse
         self._dim = math.prod(self.embedding_shape)
@@ -139,6 +176,12 @@ class HashTable(nn.Module):
             policies.filter_policy(filter_hook) if filter_hook is not None else None
         )
         self._admit_cache: dict[AdmitHook, AdmitPolicy] = {}
+        _check_fits(
+            f"HashTable(embedding_shape={embedding_shape!r:.40}, capacity={capacity})",
+            capacity,
+            self._dim,
+            dtype,
+        )
         self.weight = nn.Parameter(torch.zeros(capacity, self._dim, dtype=dtype))
         if initializer is not None:
             self._initial_rows(1)  # a broken initializer fails here, not mid-training
@@ -236,6 +279,11 @@ class HashTable(nn.Module):
     def _check_ids(self, ids: torch.Tensor) -> torch.Tensor:
         if not isinstance(ids, torch.Tensor):
             raise ValueError(f"ids: expected an int64 torch.Tensor, got {type(ids).__name__}")
+        if ids.is_meta or ids.layout != torch.strided:
+            raise ValueError(
+                f"HashTable {self.name!r}: ids: expected a dense tensor holding ids, got one "
+                f"on {ids.device} with layout {ids.layout}"
+            )
         if ids.dtype == torch.int64:
             return ids
         if ids.dtype in (torch.int32, torch.int16, torch.int8, torch.uint8):
@@ -381,6 +429,9 @@ class HashTable(nn.Module):
         new = max(old, _MIN_CAPACITY)
         while new < need:
             new = new * 3 // 2
+        _check_fits(
+            f"HashTable {self.name!r} growing to hold {need} ids", new, self._dim, self.dtype
+        )
         self.weight.data = self._padded(self.weight.data, new)
         grad = self.weight.grad
         if grad is not None:
@@ -447,8 +498,10 @@ class HashTable(nn.Module):
     # ------------------------------------------------------------------ filtering
     def advance(self, global_step: int) -> None:
         """Set the filter clock: later training lookups stamp ``global_step``."""
-        if type(global_step) is not int:
-            raise ValueError(f"global_step: expected an int, got {global_step!r}")
+        if type(global_step) is not int or global_step < 0:
+            raise ValueError(
+                f"HashTable.advance(global_step=...): expected an int >= 0, got {global_step!r}"
+            )
         if self._filter is not None:
             with self._lock:
                 self._filter.advance(global_step)
@@ -459,6 +512,10 @@ class HashTable(nn.Module):
         Thread-safe and meant for a worker thread: the filter state is copied in chunks of
         at most ``2**17`` slots per lock hold, the decision runs without the lock.
         """
+        if now is not None and (type(now) is not int or now < 0):
+            raise ValueError(
+                f"HashTable.scan_eviction(now=...): expected an int >= 0 or None, got {now!r}"
+            )
         started = time.perf_counter()
         hold = 0.0
         with self._lock:

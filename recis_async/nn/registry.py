@@ -71,6 +71,12 @@ class PolicyRegistry:
         admit: Mapping[str, type[AdmitPolicy]] | None = None,
         filter: Mapping[str, type[FilterPolicy]] | None = None,
     ) -> None:
+        for field, given in (("admit", admit), ("filter", filter)):
+            if given is not None and not isinstance(given, Mapping):
+                raise ValueError(
+                    f"PolicyRegistry({field}=...): expected a mapping of name -> policy class "
+                    f"or None, got {type(given).__name__}"
+                )
         a: Mapping[str, type[Any]] = MappingProxyType({})
         f: Mapping[str, type[Any]] = MappingProxyType({})
         for name, admit_cls in (admit or {}).items():

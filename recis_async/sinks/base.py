@@ -134,6 +134,9 @@ class Sink(Protocol):
         """Release clients and connections; idempotent."""
         ...
 
+    # Optional: ``check_fields(fields, owner)`` raising ``ValueError`` for field names the
+    # sink cannot store (ParquetSink: a partition key's name); TraceHook calls it at once.
+
 
 _PARTITION_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _PARTITION_VALUE_FORBIDDEN = frozenset("/\\,='\"\0\n\r")

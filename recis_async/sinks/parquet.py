@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .. import dist
+from .._checks import dir_path
 from ..buffer import Batch
 from ..schema import OdpsType
 from .base import Attempt, SinkError, parse_partition
@@ -66,7 +67,7 @@ class ParquetSink:
             )
         if rank is not None and (type(rank) is not int or rank < 0):
             raise ValueError(f"rank: expected an int >= 0 or None, got {rank!r}")
-        self._root = Path(root)
+        self._root = Path(dir_path("ParquetSink", "root", root))  # proven writable by open()
         self._table = table
         self._partition = parse_partition(partition)
         self._rank = rank
@@ -97,7 +98,21 @@ class ParquetSink:
     def __repr__(self) -> str:
         return f"ParquetSink({str(self._root)!r}, {self._table!r}, partition={self._partition!r})"
 
+    def check_fields(self, fields: tuple[str, ...] | list[str], owner: str = "ParquetSink") -> None:
+        """Refuse a field named like a partition key: readers restore the key as a column,
+        so the dataset would hold two columns of one name and could not be read."""
+        keys = {k.lower(): k for k, _ in self._partition}
+        for field in fields:
+            key = keys.get(str(field).lower())
+            if key is not None:
+                raise ValueError(
+                    f"{owner}(fields=...): field {field!r} is also a partition key ({key!r}) of "
+                    f"table {self._table!r} in {self._root}; readers restore partition keys as "
+                    "columns, so rename the field or the key"
+                )
+
     def open(self, fields: tuple[str, ...], types: tuple[OdpsType, ...]) -> None:
+        self.check_fields(fields)
         rank = dist.get_rank() if self._rank is None else self._rank
         directory = self.directory
         try:

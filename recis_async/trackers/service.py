@@ -20,6 +20,7 @@ import logging
 import os
 import secrets
 import tempfile
+import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 
 OnError = Literal["raise", "log", "disable"]
 _ON_ERROR = ("raise", "log", "disable")
+_CALL_WAIT_S = 1.0  # how long close waits for an abandoned tracker.log call to end
 
 
 def check_settings(
@@ -58,6 +60,26 @@ def check_settings(
         raise ValueError(
             f"{owner}.on_error: expected one of {', '.join(_ON_ERROR)}, got {on_error!r}"
         )
+
+
+class _Call:
+    """A tracker call run in a worker thread, whose outcome close can still learn after
+    abandoning it (``done`` is set when it ended, ``ok`` when it returned)."""
+
+    __slots__ = ("fn", "done", "ok")
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.done = threading.Event()
+        self.ok = False
+
+    def __call__(self, *args: Any) -> Any:
+        try:
+            result = self.fn(*args)
+            self.ok = True
+            return result
+        finally:
+            self.done.set()
 
 
 def default_spill_dir() -> Path:
@@ -107,6 +129,7 @@ class TrackerService:
         self._failure: BaseException | None = None
         self._disabled = False
         self._limiter = anyio.CapacityLimiter(1)
+        self._call: _Call | None = None  # the latest tracker.log call
         self._encoder = msgspec.json.Encoder(enc_hook=encode_value)
         self._counts = {
             "records": 0,
@@ -211,8 +234,9 @@ class TrackerService:
             self._inflight, self._inflight_bytes = batch, self._pending_bytes
             self._pending.clear()
             self._pending_bytes = 0
+            self._call = call = _Call(self.tracker.log)
             try:
-                await self._in_thread(self.tracker.log, batch)
+                await self._in_thread(call, batch)
             except Exception as exc:
                 self._counts["errors"] += 1
                 if self.on_error == "log":
@@ -329,32 +353,52 @@ class TrackerService:
         log.warning("%s: %d tracker records written to %s", self.name, len(records), path)
 
     async def aclose(self, deadline: float) -> None:
-        """Deliver what is buffered, finish the run, and return by ``deadline``."""
+        """Deliver what is buffered, finish the run, and return by ``deadline``.
+
+        Cancelled (a second stop signal), it still spills what it holds before the
+        cancellation propagates."""
         self._closing = True
         self._notify()
         if self._done is None:
             self._done = anyio.Event()
+        error: Exception | None = None
         try:
             with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
                 await self._done.wait()
         finally:
             if not self._done.is_set() and self._scope is not None:
                 self._scope.cancel()  # stop run() whatever happened to aclose
+            with anyio.CancelScope(shield=True):
+                error = await self._keep_leftovers()
+        if error is not None:
+            raise error
+
+    async def _keep_leftovers(self) -> Exception | None:
+        """Spill what run() did not deliver; return the error close reports, if any."""
+        assert self._done is not None
         timed_out = not self._done.is_set()
         pending = [record for record, _ in self._pending]
         inflight = list(self._inflight)
         if not timed_out and not pending and not inflight:
-            return
+            return None
         self._pending.clear()
         self._pending_bytes = 0
         self._inflight, self._inflight_bytes = [], 0
         await self._spill(pending)
-        # Records in an abandoned tracker call may still land: keep them apart so a replay
+        call = self._call
+        if inflight and call is not None:
+            # The abandoned tracker call may be writing right now: let it end (briefly) so
+            # its records are known delivered, rather than spilled and then also stored.
+            await anyio.to_thread.run_sync(call.done.wait, _CALL_WAIT_S)
+            if call.done.is_set() and call.ok:
+                self._counts["logged"] += len(inflight)
+                inflight = []
+        # Records in a tracker call still running may yet land: keep them apart so a replay
         # can be checked against the store instead of duplicating them blindly.
         await self._spill(inflight, suffix=".inflight")
         reason = "did not finish by the close deadline" if timed_out else "stopped early"
         error = TimeoutError if timed_out else TrackerError
-        raise error(
+        return error(
             f"{self.name}: the tracker {reason}; {len(pending)} unsent records spilled to "
             f"{self.spill_path}"
             + (

@@ -88,6 +88,13 @@ class Record(Hook):
 
 
 async def main(out: Path, mode: str) -> None:
+    # torch.optim's first optimizer imports torch._dynamo, which, when imported after the
+    # process group is up, keeps references to it that destroy_process_group() cannot drop:
+    # the gloo group and its threads then live until interpreter teardown, where destroying
+    # them now and then aborted rank 1 ("terminate called without an active exception").
+    # Imported first, destroy_process_group() below frees the group and joins its threads.
+    import torch._dynamo  # noqa: F401
+
     tdist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = tdist.get_rank()
     n = {"uneven": 5 if rank == 0 else 8}.get(mode, 20)
@@ -157,8 +164,11 @@ async def main(out: Path, mode: str) -> None:
             result["restored_step"] = await restore_checkpoint(restore_bus, out / "ckpt", fresh)
         result["restored_weights"] = [round(float(v), 6) for v in fresh.linear.weight.flatten()]
         result["trained_weights"] = [round(float(v), 6) for v in model.linear.weight.flatten()]
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
     tdist.destroy_process_group()
+    result["threads_after_destroy"] = sorted(
+        Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")
+    )
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
