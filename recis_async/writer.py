@@ -361,6 +361,8 @@ class TraceWriter:
         )
         self._pending[id(batch)] = batch
         self._held[id(batch)] = SpillEntry(batch, token)
+        if self._last_error is None:  # every delivery error names a cause, this one at least
+            self._last_error = f"batch {batch.seq}: {why}"
 
     async def _open_early(self) -> None:
         """Open the sink when the bus starts: the first batch does not wait for it, and a bad
@@ -369,6 +371,7 @@ class TraceWriter:
         try:
             await self._ensure_open(self._source.fields, self._source.types)
         except Exception as exc:
+            self._last_error = f"{type(exc).__name__}: {exc}"
             logger.warning(
                 "%s: cannot open the sink yet (retried with the first batch): %s", self.name, exc
             )
@@ -461,8 +464,9 @@ class TraceWriter:
                 f"{self.name}: {self._stats['spilled']} batch(es) ({self._stats['spilled_rows']} "
                 f"rows) were not delivered ({kinds}; {self._stats['batches']} delivered) and "
                 f"were spilled "
-                f"to {', '.join(map(str, files))}; replay them with "
-                f"recis_async.spill.replay_spill(path, sink). Last error: {self._last_error}",
+                f"to {', '.join(map(str, files))}; replay them with `python -m "
+                f"recis_async.spill replay FILE --parquet ROOT` (or --odps-config cfg.json) "
+                f"or recis_async.spill.replay_spill(path, sink). Last error: {self._last_error}",
                 spilled_batches=self._stats["spilled"],
                 spilled_rows=self._stats["spilled_rows"],
                 spill_files=files,

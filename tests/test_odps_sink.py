@@ -261,7 +261,7 @@ def test_credentials_may_come_from_the_environment(
         ),
         ({"table_name": ""}, "config['table_name']: expected a non-empty string, got ''"),
         ({"access_key": 12}, "config['access_key']: expected a non-empty string, got <redacted>"),
-        ({"partition": "dt"}, "partition: expected 'key=value' pairs, got 'dt'"),
+        ({"partition": "dt"}, "config['partition']: expected 'key=value' pairs, got 'dt'"),
     ],
 )
 def test_config_errors_fail_in_the_constructor(

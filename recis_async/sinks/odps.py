@@ -14,17 +14,28 @@ session id stays in doubt and is settled the same way before the next attempt (o
 spill file is replayed).
 
 Credentials come from ``config`` or the ``ALIBABA_CLOUD_ACCESS_KEY_ID`` /
-``ALIBABA_CLOUD_ACCESS_KEY_SECRET`` environment variables.  They appear in no repr, log
-line or exception: messages of wrapped pyodps errors are scrubbed and never chained.
+``ALIBABA_CLOUD_ACCESS_KEY_SECRET`` environment variables, each one token without
+whitespace (a pasted newline is refused, not stripped); endpoints may not carry user info.
+They appear in no repr, log line or exception: messages of wrapped pyodps errors are
+scrubbed and never chained, and while a sink is open every record of pyodps's, urllib3's
+and requests' loggers is redacted (:class:`_Redactor`) -- at any level, DEBUG included,
+where pyodps logs its signed ``Authorization`` headers.
+
+Opening connects within 2 s and without pyodps's own retries (pyodps ``options`` scoped to
+the opening call, not set globally), so an unreachable endpoint is reported as soon as the
+bus starts; the writer retries it with backoff.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -72,14 +83,137 @@ class _Credentials:
         raise TypeError("credentials are not picklable")
 
 
+_SECRET_KEYS = ("access_id", "access_key")
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_USERINFO = re.compile(r"\A([A-Za-z][A-Za-z0-9+.-]*://)?[^/?#]*@")
+#: connection settings for the requests a sink makes while opening (pyodps reads them from its
+#: options, scoped here to the opening call): a refused or unreachable endpoint fails within
+#: ~2 s, and the writer -- not pyodps -- retries, logging each failure
+_OPEN_OPTIONS = MappingProxyType({"connect_timeout": 2, "retry_times": 0})
+
+
+@dataclass(frozen=True)
+class _Config:
+    """A checked sink config (credentials kept apart, in :class:`_Credentials`)."""
+
+    project: str
+    table: str
+    endpoint: str
+    tunnel_endpoint: str | None
+    partition: tuple[tuple[str, str], ...]
+
+
+def _check_config(config: Any) -> tuple[_Config, _Credentials]:
+    """Check every key of a RecIS ``config``; raise ``ValueError`` naming the key, what was
+    expected and what arrived (never a credential: those are described, not shown)."""
+    if not isinstance(config, Mapping):
+        raise ValueError(f"config: expected a mapping, got {type(config).__name__}")
+    unknown = sorted(str(k) for k in config if k not in _KNOWN)
+    if unknown:
+        raise ValueError(
+            f"config: unknown key(s) {', '.join(map(repr, unknown))}; "
+            f"expected {', '.join(sorted(_KNOWN))}"
+        )
+    missing = [k for k in _REQUIRED if config.get(k) is None]
+    access_id = _credential(config, "access_id", ENV_ACCESS_ID)
+    secret = _credential(config, "access_key", ENV_ACCESS_KEY)
+    if access_id is None:
+        missing.append(f"access_id (or the {ENV_ACCESS_ID} environment variable)")
+    if secret is None:
+        missing.append(f"access_key (or the {ENV_ACCESS_KEY} environment variable)")
+    if missing:
+        raise ValueError(f"config: missing required key(s): {', '.join(missing)}")
+    assert access_id is not None and secret is not None
+    project = _config_str(config, "project")
+    table = _config_str(config, "table_name")
+    for key, name in (("project", project), ("table_name", table)):
+        if name is not None and not _IDENTIFIER.match(name):
+            raise ValueError(
+                f"config[{key!r}]: expected a name of letters, digits and underscores, got {name!r}"
+            )
+    endpoint = _endpoint(config, "end_point")
+    assert project is not None and table is not None and endpoint is not None
+    checked = _Config(
+        project=project,
+        table=table,
+        endpoint=endpoint,
+        tunnel_endpoint=_endpoint(config, "tunnel_endpoint"),
+        partition=_partition(config.get("partition")),
+    )
+    return checked, _Credentials(access_id, secret)
+
+
+def _partition(spec: Any) -> tuple[tuple[str, str], ...]:
+    try:
+        return parse_partition(spec)
+    except ValueError as exc:
+        raise ValueError(f"config['partition']: {str(exc).removeprefix('partition: ')}") from None
+
+
 def _config_str(config: Mapping[str, Any], key: str) -> str | None:
+    """``config[key]`` as a non-empty string without surrounding whitespace, or None."""
     value = config.get(key)
     if value is None:
         return None
     if not isinstance(value, str) or not value.strip():
-        shown = "<redacted>" if key in ("access_id", "access_key") else repr(value)
+        shown = "<redacted>" if key in _SECRET_KEYS else repr(value)
         raise ValueError(f"config[{key!r}]: expected a non-empty string, got {shown}")
-    return value.strip()
+    if value != value.strip():
+        shown = "a value" if key in _SECRET_KEYS else repr(value)
+        raise ValueError(
+            f"config[{key!r}]: expected no leading or trailing whitespace, got {shown} "
+            f"with {_whitespace(value)}"
+        )
+    return value
+
+
+def _credential(config: Mapping[str, Any], key: str, env: str) -> str | None:
+    """An access id or key from ``config`` or else ``env``: one token without whitespace or
+    control characters (a trailing newline pasted with a key is refused, not stripped)."""
+    value = _config_str(config, key)
+    where = f"config[{key!r}]"
+    if value is None:
+        value = os.environ.get(env) or None
+        where = f"the {env} environment variable"
+        if value is not None and value != value.strip():
+            raise ValueError(
+                f"{where}: expected no leading or trailing whitespace, got a value with "
+                f"{_whitespace(value)}"
+            )
+    if value is not None and any(c.isspace() or not c.isprintable() for c in value):
+        raise ValueError(
+            f"{where}: expected a key without whitespace or control characters, got a value "
+            "containing some (not shown)"
+        )
+    return value
+
+
+def _whitespace(value: str) -> str:
+    ends = [("leading", value[: len(value) - len(value.lstrip())])]
+    ends.append(("trailing", value[len(value.rstrip()) :]))
+    return " and ".join(f"{side} {text!r}" for side, text in ends if text)
+
+
+def _endpoint(config: Mapping[str, Any], key: str) -> str | None:
+    """An http(s) URL without user info, query or fragment; shown with any user info masked."""
+    url = _config_str(config, key)
+    if url is None:
+        return None
+    parts = urlsplit(url)
+    shown = _USERINFO.sub(lambda m: f"{m.group(1) or ''}***@", url)
+    if "@" in parts.netloc or _USERINFO.match(url):
+        raise ValueError(
+            f"config[{key!r}]: expected an http(s) URL without user info (credentials go in "
+            f"access_id / access_key), got {shown.split('?')[0]!r}"
+        )
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"config[{key!r}]: expected an http(s) URL, got {shown!r}")
+    if parts.query or parts.fragment:
+        raise ValueError(
+            f"config[{key!r}]: expected an http(s) URL without query or fragment, got "
+            f"{parts.scheme}://{parts.netloc}{parts.path}?... (query not shown)"
+        )
+    return url
 
 
 class OdpsSink:
@@ -92,37 +226,16 @@ class OdpsSink:
     """
 
     def __init__(self, config: Mapping[str, Any]) -> None:
-        if not isinstance(config, Mapping):
-            raise ValueError(f"config: expected a mapping, got {type(config).__name__}")
-        unknown = sorted(str(k) for k in config if k not in _KNOWN)
-        if unknown:
-            raise ValueError(
-                f"config: unknown key(s) {', '.join(map(repr, unknown))}; "
-                f"expected {', '.join(sorted(_KNOWN))}"
-            )
-        missing = [k for k in _REQUIRED if _config_str(config, k) is None]
-        access_id = _config_str(config, "access_id") or os.environ.get(ENV_ACCESS_ID, "").strip()
-        secret = _config_str(config, "access_key") or os.environ.get(ENV_ACCESS_KEY, "").strip()
-        if not access_id:
-            missing.append(f"access_id (or the {ENV_ACCESS_ID} environment variable)")
-        if not secret:
-            missing.append(f"access_key (or the {ENV_ACCESS_KEY} environment variable)")
-        if missing:
-            raise ValueError(f"config: missing required key(s): {', '.join(missing)}")
-        self._credentials = _Credentials(access_id, secret)
-        self._project = str(config["project"]).strip()
-        self._table = str(config["table_name"]).strip()
-        self._endpoint = str(config["end_point"]).strip()
-        self._tunnel_endpoint = _config_str(config, "tunnel_endpoint")
-        for key, url in (("end_point", self._endpoint), ("tunnel_endpoint", self._tunnel_endpoint)):
-            if url is not None and (
-                urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).netloc
-            ):
-                raise ValueError(f"config[{key!r}]: expected an http(s) URL, got {url!r}")
-        self._partition = parse_partition(config.get("partition"))
+        checked, self._credentials = _check_config(config)
+        self._project = checked.project
+        self._table = checked.table
+        self._endpoint = checked.endpoint
+        self._tunnel_endpoint = checked.tunnel_endpoint
+        self._partition = checked.partition
         self._lock = threading.Lock()
         self._odps: Any = None
         self._tunnel: Any = None
+        self._redactors: list[_Redactor] = []
 
     @property
     def name(self) -> str:
@@ -151,12 +264,22 @@ class OdpsSink:
     # ------------------------------------------------------------------------------------
 
     def open(self, fields: tuple[str, ...], types: tuple[OdpsType, ...]) -> None:
-        """Build the client, create the table and partition if missing, check the schema."""
+        """Build the client, create the table and partition if missing, check the schema.
+
+        From here until :meth:`close`, pyodps's, urllib3's and requests' log records are
+        redacted (:class:`_Redactor`).  The requests made here connect within 2 s and are not
+        retried by pyodps, so a bad endpoint is reported at once; a failed open releases
+        what it built and is retried by the writer."""
+        from odps.config import option_context
+
+        self._redact_logs()
         try:
-            self._open(fields, types)
-        except SinkError:
-            raise
-        except Exception as exc:
+            with option_context(dict(_OPEN_OPTIONS)):
+                self._open(fields, types)
+        except BaseException as exc:
+            self.close()
+            if isinstance(exc, SinkError) or not isinstance(exc, Exception):
+                raise
             raise self._wrap(exc, "cannot open") from None
 
     def _open(self, fields: tuple[str, ...], types: tuple[OdpsType, ...]) -> None:
@@ -195,6 +318,20 @@ class OdpsSink:
         with self._lock:
             if self._tunnel is None:
                 self._tunnel = TableTunnel(odps, endpoint=self._tunnel_endpoint)
+
+    def _redact_logs(self) -> None:
+        """Register this sink's credentials with a :class:`_Redactor` on every logger of
+        pyodps, urllib3 and requests (imported first, so their loggers exist)."""
+        import odps.tunnel  # noqa: F401 - creates the loggers of the modules the sink uses
+        import requests  # noqa: F401
+        import urllib3  # noqa: F401
+
+        secrets = (self._credentials.access_id, self._credentials.reveal())
+        with self._lock:
+            known = {id(r.logger) for r in self._redactors}
+            for target in _redacted_loggers():
+                if id(target) not in known:
+                    self._redactors.append(_Redactor.register(target, self, secrets))
 
     def _check_schema(
         self,
@@ -308,9 +445,14 @@ class OdpsSink:
         return False  # NORMAL (never committed, and nothing will commit it), EXPIRED, CANCELED, ...
 
     def close(self) -> None:
+        """Drop the client; stop redacting logs for this sink (a redactor with no sink left
+        is removed from its logger)."""
         with self._lock:
             self._tunnel = None
             self._odps = None
+            redactors, self._redactors = self._redactors, []
+        for redactor in redactors:
+            redactor.unregister(self)
 
     # ------------------------------------------------------------------------------------
 
@@ -319,6 +461,101 @@ class OdpsSink:
         detail = " ".join(str(exc).split())  # pyodps messages span lines
         message = self._credentials.scrub(f"{self.name}: {what}: {type(exc).__name__}: {detail}")
         return SinkError(message, transient=_is_transient(exc))
+
+
+#: loggers (with their children) whose records can carry request headers, URLs or server
+#: messages: pyodps's own and those of the HTTP stack under it
+_REDACTED_LOGGERS = ("odps", "urllib3", "requests")
+#: ``name: value`` / ``name=value`` / ``'name': 'value'`` where the name says it is secret;
+#: a name starts where a word does (the lookbehind), which keeps the scan linear on long words
+_SECRET_FIELD = re.compile(
+    r"(?i)((?<![\w-])[\w-]*(?:authorization|authentication|signature|secret|password|token|access_?key)"
+    r"[\w-]*['\"]?\s*[:=]\s*['\"]?)([^'\"\r\n,;}&]+)"
+)
+
+
+def _redacted_loggers() -> list[logging.Logger]:
+    """The loggers named in :data:`_REDACTED_LOGGERS` and all their existing descendants.
+
+    A filter on a logger sees only the records logged on that very logger (not those its
+    children propagate), so each emitting logger needs its own."""
+    names = set(_REDACTED_LOGGERS)
+    names.update(
+        n
+        for n, obj in list(logging.Logger.manager.loggerDict.items())
+        if isinstance(obj, logging.Logger) and n.startswith(tuple(f"{r}." for r in names))
+    )
+    return [logging.getLogger(n) for n in sorted(names)]
+
+
+class _Redactor(logging.Filter):
+    """Rewrites every record of one logger so that no credential survives formatting.
+
+    Masked: the access ids and keys of the sinks registered with it, and the value of any
+    ``Authorization`` / signature / token / secret header or parameter, in the message, its
+    arguments and any traceback.  One redactor per logger is shared by all open sinks: each
+    registers its credentials when it opens and unregisters when it closes; the last one
+    out removes the redactor from the logger.  The shared state lives on the logger (in its
+    ``filters``), not in this module.
+    """
+
+    def __init__(self, target: logging.Logger) -> None:
+        super().__init__()
+        self.logger = target
+        self._lock = threading.Lock()
+        self._attached = True
+        self._owners: dict[int, tuple[str, ...]] = {}
+        self._secrets: tuple[str, ...] = ()
+
+    @classmethod
+    def register(cls, target: logging.Logger, owner: object, secrets: tuple[str, ...]) -> _Redactor:
+        """Add ``owner``'s ``secrets`` to the redactor on ``target``, installing one if none."""
+        while True:
+            found = next((f for f in target.filters if isinstance(f, cls)), None)
+            redactor = found or cls(target)
+            with redactor._lock:
+                if redactor._attached:  # not removed by its last owner meanwhile
+                    redactor._owners[id(owner)] = secrets
+                    redactor._update()
+                    if found is None:
+                        target.addFilter(redactor)
+                    return redactor
+
+    def unregister(self, owner: object) -> None:
+        with self._lock:
+            self._owners.pop(id(owner), None)
+            self._update()
+            if not self._owners:
+                self._attached = False
+                self.logger.removeFilter(self)
+
+    def _update(self) -> None:
+        # longest first, so a secret containing another is masked whole; read without the
+        # lock by filter() (one tuple, replaced, never mutated)
+        secrets = {s for owned in self._owners.values() for s in owned if s}
+        self._secrets = tuple(sorted(secrets, key=len, reverse=True))
+
+    def redact(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return _SECRET_FIELD.sub(r"\1***", text)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed record: logging would print its arguments
+            message = f"<unformattable record from {record.name}>"
+        redacted = self.redact(message)
+        if redacted != message or record.args:
+            record.msg, record.args = redacted, ()
+        trace = record.exc_text
+        if not trace and record.exc_info:
+            trace = logging.Formatter().formatException(record.exc_info)
+        if trace and (redacted := self.redact(trace)) != trace:
+            record.exc_text, record.exc_info = redacted, None  # handlers get only the text
+        if record.stack_info:
+            record.stack_info = self.redact(record.stack_info)
+        return True
 
 
 class _Crc32c:

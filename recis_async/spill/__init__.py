@@ -17,6 +17,10 @@ No credentials are written: sink descriptions never contain them.
 ``{"seq": n, "token": t}`` before each commit, ``{"seq": n, "done": true}`` after), so an
 interrupted replay can be run again without duplicating or losing a batch.  When every batch
 is delivered both files are removed.
+
+From a shell: ``python -m recis_async.spill inspect FILE`` and
+``python -m recis_async.spill replay FILE --parquet ROOT`` (or ``--odps-config cfg.json``);
+see :mod:`recis_async.spill.__main__`.
 """
 
 from __future__ import annotations
@@ -34,10 +38,19 @@ from typing import Any
 
 import pyarrow as pa
 
-from .buffer import Batch
-from .sinks.base import Attempt, Sink
+from ..buffer import Batch
+from ..sinks.base import Attempt, Sink
 
-__all__ = ["SpillEntry", "SpillFile", "write_spill", "read_spill", "replay_spill", "ReplayReport"]
+__all__ = [
+    "ReplayReport",
+    "SpillEntry",
+    "SpillFile",
+    "journal_path",
+    "read_journal",
+    "read_spill",
+    "replay_spill",
+    "write_spill",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -195,18 +208,8 @@ def replay_spill(path: str | os.PathLike[str], sink: Sink) -> ReplayReport:
     the spill file and its journal are removed.
     """
     spill = read_spill(path)
-    journal = spill.path.with_name(spill.path.name + ".journal")
-    done: set[int] = set()
-    tokens: dict[int, str] = {}
-    if journal.exists():
-        for line in journal.read_text().splitlines():
-            if not line.strip():
-                continue
-            record: dict[str, Any] = json.loads(line)
-            if record.get("done"):
-                done.add(int(record["seq"]))
-            elif record.get("token"):
-                tokens[int(record["seq"])] = str(record["token"])
+    journal = journal_path(spill.path)
+    done, tokens = read_journal(spill.path)
     delivered = skipped = rows = 0
     first = spill.entries[0].batch if spill.entries else None
     if first is not None:
@@ -235,6 +238,30 @@ def replay_spill(path: str | os.PathLike[str], sink: Sink) -> ReplayReport:
     spill.path.unlink()
     journal.unlink(missing_ok=True)
     return ReplayReport(delivered=delivered, skipped=skipped, rows=rows)
+
+
+def journal_path(path: str | os.PathLike[str]) -> Path:
+    """Where :func:`replay_spill` records its progress on the spill file ``path``."""
+    path = Path(path)
+    return path.with_name(path.name + ".journal")
+
+
+def read_journal(path: str | os.PathLike[str]) -> tuple[set[int], dict[int, str]]:
+    """The progress of earlier replays of the spill file ``path``: the ``seq`` of every batch
+    delivered, and the in-doubt token of each batch whose commit may have run since."""
+    done: set[int] = set()
+    tokens: dict[int, str] = {}
+    journal = journal_path(path)
+    if journal.exists():
+        for line in journal.read_text().splitlines():
+            if not line.strip():
+                continue
+            record: dict[str, Any] = json.loads(line)
+            if record.get("done"):
+                done.add(int(record["seq"]))
+            elif record.get("token"):
+                tokens[int(record["seq"])] = str(record["token"])
+    return done, tokens
 
 
 def _append(journal: Path, record: dict[str, Any]) -> None:
