@@ -25,6 +25,21 @@ registered in ``SECTIONS``:
     Target (issue 4): MLTrackerHook >= 0.99x no hooks.
 
     python benchmarks/bench_hooks.py [--only tracker] [--rounds 4] [--seconds 1.5] [--batch 256]
+
+``tracker-job``
+    What a user's job sees: every round is a fresh process that builds the MLP (default batch
+    512 here, ~3 ms a step), warms torch up (30 steps, untimed), then enters a fresh
+    ``HookBus``, adds the hook and publishes ``Start`` (the set-up, timed apart), trains
+    ``--job-steps`` steps (3,000) logging ``--metrics`` scalars a step (8 here) and leaves the
+    bus (the close).  Configs, alternated in every round: no hooks; ``MLTrackerHook`` with the
+    default ``JsonlTracker``; ``MLTrackerHook(MlflowTracker)`` against a fresh sqlite store.
+    Printed: steps/s from the first step to the end of the close over the no-hook run's of the
+    same round (median and range), set-up and close seconds, step p50 / max.  Beside them, in
+    a fresh process of each round, what MLflow's own client needs in-process to start: ``import
+    mlflow`` then ``start_run`` on a fresh store (the yardstick for the set-up).
+    Target (issue 16): MlflowTracker >= 0.9x no hooks, set-up no longer than that yardstick.
+
+    python benchmarks/bench_hooks.py --only tracker-job [--rounds 4]
 """
 
 from __future__ import annotations
@@ -256,7 +271,7 @@ def section_tracker(args: argparse.Namespace) -> bool:
     uri = f"sqlite:///{root / 'mlflow.db'}"
     client = MlflowClient(uri)
     experiment = client.create_experiment("bench", artifact_location=str(root / "artifacts"))
-    n_metrics = args.metrics
+    n_metrics = args.metrics or 4
 
     def no_track(step: int, loss: torch.Tensor) -> None:
         pass
@@ -326,7 +341,7 @@ def section_tracker(args: argparse.Namespace) -> bool:
         "mlflow log_metric synchronous": direct(True),
         "mlflow log_metric synchronous=False": direct(False),
     }
-    work = Workload(batch=args.batch, width=args.width)
+    work = Workload(batch=args.batch or 2048, width=args.width)
     load = os.getloadavg()[0]
 
     async def go() -> Rounds:
@@ -350,10 +365,182 @@ def section_tracker(args: argparse.Namespace) -> bool:
     return met
 
 
+# --------------------------------------------------------------------------- tracker-job
+
+JOB_CONFIGS = ("no hooks", "MLTrackerHook(JsonlTracker)", "MLTrackerHook(MlflowTracker)")
+
+
+async def job_child(args: argparse.Namespace) -> dict[str, Any]:
+    """One job in this fresh process: set-up, ``--job-steps`` steps, close."""
+    from recis_async.events import Start
+    from recis_async.hooks import MLTrackerHook
+
+    config = args.job_child
+    root = Path(args.job_dir)
+    torch.set_num_threads(1)
+    work = Workload(batch=args.batch or 512, width=args.width)
+    for _ in range(30):  # warm up torch
+        work.step()
+    n_metrics = args.metrics or 8
+    marks = [0] * (args.job_steps + 1)
+    t_setup = time.perf_counter()
+    hook: Any = None
+    if config == "MLTrackerHook(JsonlTracker)":
+        from recis_async.trackers import JsonlTracker
+
+        hook = MLTrackerHook("bench", "job", {"lr": 1e-3}, tracker=JsonlTracker(root / "jsonl"))
+    elif config == "MLTrackerHook(MlflowTracker)":
+        from recis_async.trackers import MlflowTracker
+
+        tracker = MlflowTracker(f"sqlite:///{root / 'mlflow.db'}")
+        hook = MLTrackerHook("bench", "job", {"lr": 1e-3}, tracker=tracker)
+    perf_ns = time.perf_counter_ns
+    async with HookBus(handle_signals=False) as bus:
+        if hook is not None:
+            bus.add_hook(hook)
+        await bus.publish(Start(is_train=True))
+        t_loop = time.perf_counter()
+        for step in range(args.job_steps):
+            marks[step] = perf_ns()
+            await bus.publish(BeforeStep(global_step=step))
+            loss = work.step()
+            if hook is not None:
+                for name, value in _metric_values(loss, n_metrics).items():
+                    add_to_ml_tracker(name, value)
+            await bus.publish(AfterStep(global_step=step, samples=work.batch))
+        marks[-1] = perf_ns()
+        t_close = time.perf_counter()
+    t_end = time.perf_counter()
+    logged = None
+    if hook is not None:
+        assert hook.service is not None
+        stats = hook.service.stats()
+        assert stats["spilled"] == 0 and stats["logged"] == stats["records"] == args.job_steps
+        logged = stats["logged"]
+    steps_ms = sorted((b - a) / 1e6 for a, b in zip(marks, marks[1:], strict=False))
+    return {
+        "setup_s": t_loop - t_setup,
+        "loop_s": t_close - t_loop,
+        "close_s": t_end - t_close,
+        "p50_ms": steps_ms[len(steps_ms) // 2],
+        "max_ms": steps_ms[-1],
+        "logged": logged,
+    }
+
+
+def mlflow_own_start(root: Path) -> float:
+    """Seconds MLflow's own client needs in a fresh process: import, then start_run on a
+    fresh sqlite store (run in a child so the import is cold)."""
+    import subprocess
+
+    code = (
+        "import sys, time\n"
+        "t = time.perf_counter()\n"
+        "import mlflow\n"
+        "mlflow.set_tracking_uri(sys.argv[1])\n"
+        "mlflow.set_experiment('bench')\n"
+        "mlflow.start_run(run_name='job')\n"
+        "print(time.perf_counter() - t)\n"
+        "mlflow.end_run()\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, f"sqlite:///{root / 'own.db'}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def section_tracker_job(args: argparse.Namespace) -> bool:
+    """MLTrackerHook(MlflowTracker) in a job's lifetime: fresh process and bus per round."""
+    import json
+    import subprocess
+
+    try:
+        import mlflow  # noqa: F401
+    except ImportError:
+        print("[tracker-job] mlflow is not installed (pip install recis_async[mlflow]); skipped")
+        return True
+    here = Path(__file__).resolve().parent.parent
+    roots = {c: here for c in JOB_CONFIGS}
+    if args.compare:  # the tracker again with another checkout's code: before/after pairs
+        other = Path(args.compare).resolve()
+        roots[f"MLTrackerHook(MlflowTracker)@{other.name}"] = other
+    configs = list(roots)
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+    own: list[float] = []
+    load = os.getloadavg()
+    started = time.perf_counter()
+    for r in range(args.rounds):
+        order = configs[r % len(configs) :] + configs[: r % len(configs)]
+        for label in order:
+            config, code = label.split("@")[0], roots[label]
+            root = Path(tempfile.mkdtemp(prefix="bench_hooks_job_"))
+            cmd = [
+                sys.executable, str(code / "benchmarks" / "bench_hooks.py"), "--job-child", config,
+                "--job-dir", str(root), "--job-steps", str(args.job_steps),
+                "--metrics", str(args.metrics or 8), "--width", str(args.width),
+                "--backend", args.backend,
+            ]  # fmt: skip
+            if args.batch:
+                cmd += ["--batch", str(args.batch)]
+            env = {**os.environ, "PYTHONPATH": str(code)}
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if proc.returncode != 0:
+                print(proc.stderr, file=sys.stderr)
+                raise SystemExit(f"[tracker-job] {label} failed")
+            runs[label].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            print(f"# round {r} {label}: {runs[label][-1]}", file=sys.stderr)
+        root = Path(tempfile.mkdtemp(prefix="bench_hooks_own_"))
+        own.append(mlflow_own_start(root))
+    med = statistics.median
+    print(
+        f"\n[tracker-job] fresh process and bus per round, {args.job_steps} steps after 30 "
+        f"warm-up steps, {args.metrics or 8} metrics/step; MLP 64-{args.width}-{args.width}-1, "
+        f"batch "
+        f"{args.batch or 512}, 1 torch thread; {args.backend}; {args.rounds} rounds alternated; "
+        f"{os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at "
+        f"start; {time.perf_counter() - started:.0f}s"
+    )
+    print(
+        f"{'variant':40} {'steps/s':>8} {'ratio':>7} {'range':>12} {'setup s':>8} {'close s':>8}"
+        f" {'p50 ms':>7} {'max ms':>7}"
+    )
+    base = runs["no hooks"]
+
+    def rate(run: dict[str, Any]) -> float:
+        return float(args.job_steps / (run["loop_s"] + run["close_s"]))
+
+    ratios: dict[str, float] = {}
+    for config, rs in runs.items():
+        each = [rate(x) / rate(b) for x, b in zip(rs, base, strict=True)]
+        ratios[config] = med(each)
+        print(
+            f"{config:40} {med(rate(x) for x in rs):8.1f} {med(each):6.3f}x "
+            f"{f'{min(each):.2f}-{max(each):.2f}':>12} {med(x['setup_s'] for x in rs):8.2f} "
+            f"{med(x['close_s'] for x in rs):8.2f} {med(x['p50_ms'] for x in rs):7.2f} "
+            f"{med(x['max_ms'] for x in rs):7.1f}"
+        )
+    name = "MLTrackerHook(MlflowTracker)"
+    setup = med(x["setup_s"] for x in runs[name])
+    print(
+        f"mlflow's own client in-process, import + start_run on a fresh store: {med(own):.2f}s "
+        f"(range {min(own):.2f}-{max(own):.2f})"
+    )
+    met = ratios[name] >= 0.9 and setup <= med(own)
+    print(
+        f"target {name} >= 0.9x no hooks and set-up <= mlflow's own start: {ratios[name]:.3f}x, "
+        f"{setup:.2f}s vs {med(own):.2f}s {'met' if met else 'NOT met'}"
+    )
+    return met
+
+
 # --------------------------------------------------------------------------- main
 
 SECTIONS: dict[str, Section] = {
     "tracker": section_tracker,
+    "tracker-job": section_tracker_job,
 }
 
 
@@ -366,8 +553,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--rounds", type=int, default=4, help="rounds of interleaved slices")
     parser.add_argument("--seconds", type=float, default=1.5, help="seconds per slice")
-    parser.add_argument("--metrics", type=int, default=4, help="[tracker] metrics per step")
-    parser.add_argument("--batch", type=int, default=2048, help="[tracker] MLP batch size")
+    parser.add_argument(
+        "--metrics", type=int, default=None, help="metrics per step (tracker: 4, tracker-job: 8)"
+    )
+    parser.add_argument(
+        "--batch", type=int, default=None, help="MLP batch size (tracker: 2048, tracker-job: 512)"
+    )
     parser.add_argument("--width", type=int, default=256, help="[tracker] MLP hidden width")
     parser.add_argument(
         "--flush-interval",
@@ -376,7 +567,22 @@ def main(argv: list[str] | None = None) -> int:
         help="[tracker] MLTrackerHook flush_interval (default 1.0, the hook's own default)",
     )
     parser.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
+    parser.add_argument(
+        "--job-steps", type=int, default=3000, help="[tracker-job] timed steps a round"
+    )
+    parser.add_argument(
+        "--compare",
+        metavar="DIR",
+        help="[tracker-job] also run MlflowTracker with the code of the checkout DIR",
+    )
+    parser.add_argument("--job-child", help=argparse.SUPPRESS)
+    parser.add_argument("--job-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.job_child:
+        import json
+
+        print(json.dumps(anyio.run(job_child, args, backend=args.backend)))
+        return 0
     chosen = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = [s for s in chosen if s not in SECTIONS]
     if unknown:

@@ -6,31 +6,67 @@ services that drain when the block is left.
 
 The hooks and sinks most runs use are importable from here; every hook is in
 ``recis_async.hooks``, every sink in ``recis_async.sinks``, trackers in
-``recis_async.trackers``, embedding tables in ``recis_async.nn``.
+``recis_async.trackers``, embedding tables in ``recis_async.nn``.  The names below are
+imported on first use (PEP 562), so a process that needs only a part of the package -- a
+tracker's child process, say -- does not import torch with it.
 """
 
-from .aggregate import MetricAggregator
-from .bus import HookBus
-from .collect import add_metric, add_to_ml_tracker, add_to_trace
-from .console import disable_logging, enable_logging
-from .errors import HookError
-from .hook import Hook
-from .hooks import (
-    CheckpointSaverHook,
-    LoggerHook,
-    MetricReportHook,
-    MLTrackerHook,
-    ProfilerHook,
-    ProgressBarHook,
-    ReportArguments,
-    TraceHook,
-    TraceToOdpsHook,
-)
-from .priority import Priority
-from .service import Service
-from .sinks import OdpsSink, ParquetSink
-from .subscription import Subscription
-from .trainer import Trainer, TrainingArguments
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .aggregate import MetricAggregator
+    from .bus import HookBus
+    from .collect import add_metric, add_to_ml_tracker, add_to_trace
+    from .console import disable_logging, enable_logging
+    from .errors import HookError
+    from .hook import Hook
+    from .hooks import (
+        CheckpointSaverHook,
+        LoggerHook,
+        MetricReportHook,
+        MLTrackerHook,
+        ProfilerHook,
+        ProgressBarHook,
+        ReportArguments,
+        TraceHook,
+        TraceToOdpsHook,
+    )
+    from .priority import Priority
+    from .service import Service
+    from .sinks import OdpsSink, ParquetSink
+    from .subscription import Subscription
+    from .trainer import Trainer, TrainingArguments
+
+_WHERE = {
+    "MetricAggregator": ".aggregate",
+    "HookBus": ".bus",
+    "add_metric": ".collect",
+    "add_to_ml_tracker": ".collect",
+    "add_to_trace": ".collect",
+    "disable_logging": ".console",
+    "enable_logging": ".console",
+    "HookError": ".errors",
+    "Hook": ".hook",
+    "CheckpointSaverHook": ".hooks",
+    "LoggerHook": ".hooks",
+    "MetricReportHook": ".hooks",
+    "MLTrackerHook": ".hooks",
+    "ProfilerHook": ".hooks",
+    "ProgressBarHook": ".hooks",
+    "ReportArguments": ".hooks",
+    "TraceHook": ".hooks",
+    "TraceToOdpsHook": ".hooks",
+    "Priority": ".priority",
+    "Service": ".service",
+    "OdpsSink": ".sinks",
+    "ParquetSink": ".sinks",
+    "Subscription": ".subscription",
+    "Trainer": ".trainer",
+    "TrainingArguments": ".trainer",
+}
 
 __all__ = [
     "CheckpointSaverHook",
@@ -61,3 +97,14 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module, __name__), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])

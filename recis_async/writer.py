@@ -156,6 +156,7 @@ class TraceWriter:
         self._scopes: set[anyio.CancelScope] = set()
         self._open_lock = anyio.Lock()
         self._opened = False
+        self._open_tried = anyio.Event()  # the open at bus start ended, either way
         self._pending: dict[int, Batch] = {}  # id -> batch: handed over, not yet settled
         self._held: dict[int, SpillEntry] = {}  # id -> batch put aside, with its doubt
         self._spill_files: list[Path] = []
@@ -374,6 +375,16 @@ class TraceWriter:
             logger.warning(
                 "%s: cannot open the sink yet (retried with the first batch): %s", self.name, exc
             )
+        finally:
+            self._open_tried.set()
+
+    async def wait_open(self) -> bool:
+        """Wait until the sink's open at bus start has ended; return whether the sink is open
+        (a failure was logged and is retried by the first batch).  Without a ``source``
+        nothing is opened early: returns at once."""
+        if self._source is not None and not self._closing:
+            await self._open_tried.wait()
+        return self._opened
 
     async def _ensure_open(self, fields: tuple[str, ...], types: tuple[OdpsType, ...]) -> None:
         if self._opened:

@@ -20,6 +20,11 @@ read-back use, over plain HTTP on 127.0.0.1 (stdlib ``ThreadingHTTPServer``):
   ``GET ?downloadid``, ``GET ?data&downloadid&rowrange[&arrow]`` (encoded with pyodps's
   ``BaseRecordWriter`` / ``BaseArrowWriter``).
 
+With ``defer_decoding=True`` (the benchmarks' mode, ``python tests/odps_server.py PROJECT
+--defer-decoding``) a PUT keeps the block's bytes and they are decoded only when the rows are
+read, as a remote service's work would never land on the client's machine; tests keep the
+default, decoding on arrival, so a malformed block fails its PUT.
+
 Faults are injected with :meth:`OdpsServer.inject`: a 503, a connection reset before the
 request is handled, a permanent 4xx, or ``"lost"`` -- the request is fully processed (a
 commit succeeds) and then the connection is reset instead of answering.
@@ -62,13 +67,32 @@ API_PREFIX = "/api"
 
 
 @dataclass
+class _RawBlock:
+    """An uploaded block kept as bytes (``defer_decoding``): decoded when first read."""
+
+    body: bytes
+    arrow: bool
+    encoding: str | None
+
+
+@dataclass
 class _Table:
     name: str
     columns: list[tuple[str, str]]
     partition_keys: list[tuple[str, str]]
     created: float = field(default_factory=time.time)
-    # partition spec ("" for none) -> committed Arrow tables, in commit order
-    data: dict[str, list[pa.Table]] = field(default_factory=dict)
+    # partition spec ("" for none) -> committed blocks, in commit order (decoded Arrow tables,
+    # or raw blocks under defer_decoding until something reads them)
+    data: dict[str, list[pa.Table | _RawBlock]] = field(default_factory=dict)
+
+    def decoded(self, spec: str) -> list[pa.Table]:
+        """The partition's committed blocks as Arrow tables, decoding deferred ones now
+        (call with the state's lock held)."""
+        blocks = self.data.get(spec, [])
+        for i, block in enumerate(blocks):
+            if isinstance(block, _RawBlock):
+                blocks[i] = _decode_block(self, block.body, block.arrow, block.encoding)
+        return list(blocks)  # type: ignore[arg-type]  # every block is decoded now
 
     @property
     def schema(self) -> TableSchema:
@@ -85,7 +109,7 @@ class _Table:
         return TableSchema.from_lists([c for c, _ in self.columns], [t for _, t in self.columns])
 
     def rows(self, spec: str) -> int:
-        return sum(t.num_rows for t in self.data.get(spec, []))
+        return sum(t.num_rows for t in self.decoded(spec))
 
 
 @dataclass
@@ -94,7 +118,7 @@ class _UploadSession:
     table: _Table
     spec: str
     status: str = "normal"
-    blocks: dict[int, pa.Table] = field(default_factory=dict)
+    blocks: dict[int, pa.Table | _RawBlock] = field(default_factory=dict)
 
 
 @dataclass
@@ -175,8 +199,9 @@ def _split_columns(text: str) -> list[tuple[str, str]]:
 
 
 class _State:
-    def __init__(self, project: str) -> None:
+    def __init__(self, project: str, defer_decoding: bool = False) -> None:
         self.project = project
+        self.defer_decoding = defer_decoding
         self.lock = threading.RLock()
         self.tables: dict[str, _Table] = {}
         self.partitions: dict[str, set[str]] = {}
@@ -638,7 +663,7 @@ class _Handler(BaseHTTPRequestHandler):
             return lambda: self._send_json(doc, 201)
         if op == "create_download":
             with state.lock:
-                tables = list(table.data.get(spec, []))
+                tables = table.decoded(spec)
             arrow_schema = odps_schema_to_arrow_schema(table.data_schema)
             snapshot = pa.concat_tables(tables) if tables else arrow_schema.empty_table()
             dl = _DownloadSession(uuid.uuid4().hex.upper(), table, spec, snapshot)
@@ -677,19 +702,22 @@ class _Handler(BaseHTTPRequestHandler):
         if op == "put_block":
             if session.status != "normal":
                 raise _HttpError(400, "InvalidStatus", f"upload session is {session.status}")
-            try:
-                block = _decode_block(
-                    table, body, "arrow" in params, self.headers.get("Content-Encoding")
-                )
-            except Exception as exc:  # a malformed block is the client's fault
-                raise _HttpError(
-                    400, "MalformedDataStream", f"cannot decode block: {exc}"
-                ) from None
+            encoding = self.headers.get("Content-Encoding")
+            block: pa.Table | _RawBlock
+            if state.defer_decoding:
+                block = _RawBlock(body, "arrow" in params, encoding)
+                size = f"bytes={len(body)}"
+            else:
+                try:
+                    block = _decode_block(table, body, "arrow" in params, encoding)
+                except Exception as exc:  # a malformed block is the client's fault
+                    raise _HttpError(
+                        400, "MalformedDataStream", f"cannot decode block: {exc}"
+                    ) from None
+                size = f"rows={block.num_rows}"
             with state.lock:
                 session.blocks[int(params["blockid"])] = block
-                state.log_lines.append(
-                    f"block {session.id}/{params['blockid']} rows={block.num_rows}"
-                )
+                state.log_lines.append(f"block {session.id}/{params['blockid']} {size}")
             return lambda: self._send(200, b"", "text/plain")
         if op == "commit":
             with state.lock:
@@ -701,7 +729,7 @@ class _Handler(BaseHTTPRequestHandler):
                 table.data.setdefault(session.spec, []).extend(committed)
                 session.status = "closed"
                 state.log_lines.append(
-                    f"commit {session.id} rows={sum(t.num_rows for t in committed)} spec={session.spec}"
+                    f"commit {session.id} blocks={len(committed)} spec={session.spec}"
                 )
             doc = self._upload_json(session)
             return lambda: self._send_json(doc)
@@ -717,10 +745,10 @@ class _Server(ThreadingHTTPServer):
 class OdpsServer:
     """Run the loopback service in a background thread; use as a context manager."""
 
-    def __init__(self, project: str = "trace_proj") -> None:
+    def __init__(self, project: str = "trace_proj", *, defer_decoding: bool = False) -> None:
         self.project = project
         self._server = _Server(("127.0.0.1", 0), _Handler)
-        self._server.state = _State(project)
+        self._server.state = _State(project, defer_decoding)
         self._thread: threading.Thread | None = None
 
     @property
@@ -765,7 +793,7 @@ class OdpsServer:
         """Committed rows straight from the store (tests also read back through pyodps)."""
         with self.state.lock:
             t = self.state.tables[table.lower()]
-            parts = list(t.data.get(_partition_spec(partition), []))
+            parts = t.decoded(_partition_spec(partition))
         return (
             pa.concat_tables(parts)
             if parts
@@ -851,6 +879,9 @@ if __name__ == "__main__":  # pragma: no cover - used by benchmarks/bench_trace.
     import sys
 
     # a separate process, as a real service would be: print the port, serve until killed
-    with OdpsServer(sys.argv[1] if len(sys.argv) > 1 else "trace_proj") as _server:
+    _args = [a for a in sys.argv[1:] if a != "--defer-decoding"]
+    with OdpsServer(
+        _args[0] if _args else "trace_proj", defer_decoding="--defer-decoding" in sys.argv
+    ) as _server:
         print(_server.port, flush=True)
         threading.Event().wait()

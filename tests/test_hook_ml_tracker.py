@@ -414,3 +414,26 @@ async def test_a_tracker_failing_every_flush_logs_three_tracebacks_then_counts(
     assert len(counts) == (1 if errors < 100 else 2), counts
     assert "tracker.log failed" in counts[0]
     assert ": 10 failures so far, the last OSError: quota exceeded (call 10)" in counts[0]
+
+
+class SlowStartJsonl(JsonlTracker):
+    """A real JsonlTracker whose start takes a while (a tracker process, an import, a store)."""
+
+    def start(self, run: RunSpec) -> None:
+        threading.Event().wait(0.3)
+        super().start(run)
+
+
+async def test_start_returns_once_the_tracker_has_started(tmp_path: Path) -> None:
+    """The tracker's start (for MLflow: its process, import, store and run) happens before the
+    first step, not beside the first steps: ``Start`` waits for it."""
+    tracker = SlowStartJsonl(tmp_path)
+    hook = MLTrackerHook("p", "n", {"lr": 0.1}, tracker=tracker)
+    async with HookBus() as bus:
+        bus.add_hook(hook)
+        with anyio.fail_after(30):
+            await bus.publish(Start())
+        assert tracker.run_dir is not None and (tracker.run_dir / "params.json").exists()
+        await _train(bus, 3)
+    records, _, info = _jsonl_run(tracker)
+    assert [r.step for r in records] == [0, 1, 2] and info["status"] == "ok"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,6 +41,63 @@ def _run_dir(root: Path) -> Path:
     (project,) = list(root.iterdir())
     (run,) = list(project.iterdir())
     return run
+
+
+PROBE = """
+import sys
+from recis_async.trackers.jsonl import JsonlTracker
+
+class ImportRecordingTracker(JsonlTracker):
+    def start(self, run):
+        super().start(run)
+        main = getattr(sys.modules.get("__main__"), "__file__", None)
+        (self.root / "imports.json").write_text(repr({"torch": "torch" in sys.modules, "main": main}))
+"""
+
+
+def test_the_child_imports_neither_torch_nor_the_main_module(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The child's start costs its tracker's imports only: not torch (which the package's
+    training side needs) nor the program's main module (multiprocessing's spawn reruns it)."""
+    import torch  # noqa: F401  - in the parent, as in a training program
+
+    (tmp_path / "probe_tracker.py").write_text(PROBE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from probe_tracker import ImportRecordingTracker  # type: ignore[import-not-found]
+
+    tracker = SubprocessTracker(functools.partial(ImportRecordingTracker, tmp_path))
+    tracker.start(RunSpec(project="p", name="n"))
+    tracker.finish("ok")
+    assert (tmp_path / "imports.json").read_text() == repr({"torch": False, "main": None})
+
+
+TEARDOWN_PROBE = """
+import atexit
+from recis_async.trackers.jsonl import JsonlTracker
+
+class TeardownTracker(JsonlTracker):
+    def start(self, run):
+        super().start(run)
+        atexit.register((self.root / "torn-down").write_text, "x")
+"""
+
+
+def test_the_child_exits_at_once_after_finish(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once ``finish`` is answered the run is stored; the child skips the interpreter's
+    teardown (seconds for mlflow and SQLAlchemy), which the parent's close would wait for."""
+    (tmp_path / "teardown_probe.py").write_text(TEARDOWN_PROBE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from teardown_probe import TeardownTracker  # type: ignore[import-not-found]
+
+    tracker = SubprocessTracker(functools.partial(TeardownTracker, tmp_path / "runs"))
+    tracker.start(RunSpec(project="p", name="n"))
+    tracker.log([StepRecord(0, time.time(), {"loss": 1.0})])
+    tracker.finish("ok")
+    assert not (tmp_path / "runs" / "torn-down").exists()
+    assert [r.step for r in read_records(_run_dir(tmp_path / "runs") / "metrics.jsonl")] == [0]
 
 
 def test_the_child_outlives_a_ctrl_c_of_the_process_group(tmp_path: Path) -> None:
@@ -96,8 +154,13 @@ def test_constructor_validation() -> None:
         SubprocessTracker(lambda: JsonlTracker())
     with pytest.raises(TypeError, match="expected a callable, got 3"):
         SubprocessTracker(3)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="start_method: expected one of"):
-        SubprocessTracker(JsonlTracker, start_method="teleport")
+    main_factory = type("Local", (JsonlTracker,), {"__module__": "__main__"})
+    sys.modules["__main__"].Local = main_factory  # type: ignore[attr-defined]
+    try:
+        with pytest.raises(ValueError, match="expected a callable importable from a module"):
+            SubprocessTracker(main_factory)
+    finally:
+        del sys.modules["__main__"].Local  # type: ignore[attr-defined]
     with pytest.raises(RuntimeError, match="log before start"):
         SubprocessTracker(JsonlTracker).log([])
 

@@ -19,7 +19,7 @@ from odps_server import TEST_SECRET, OdpsServer, read_with_pyodps, sink_config
 from trace_data import ALL_FIELDS, ALL_TYPES, all_types_step, expected_row
 
 from recis_async import HookBus, HookError, add_to_trace
-from recis_async.events import AfterStep, BeforeStep
+from recis_async.events import AfterStep, BeforeStep, Start
 from recis_async.hooks import TraceHook, TraceToOdpsHook
 from recis_async.sinks import OdpsSink, ParquetSink
 from recis_async.spill import read_spill, replay_spill
@@ -297,6 +297,39 @@ async def test_the_sink_opens_when_the_bus_starts(server: OdpsServer, tmp_path: 
         assert "dt=20261122" in server.state.partitions["t"]
         assert server.counts("put_block") == 0
         await run_steps(bus, range(4))
+    assert odps_ids(server) == list(range(4 * ROWS))
+
+
+@pytest.mark.anyio
+async def test_start_returns_once_the_sink_is_open(server: OdpsServer, tmp_path: Path) -> None:
+    """What the sink needs to start (imports, client, table and partition checks) happens
+    before the first step, not beside the first steps: ``Start`` waits for the open."""
+    server.inject("any", "slow:0.3")  # the first request of the open takes a while
+    hook = odps_hook(server, tmp_path)
+    async with HookBus() as bus:
+        bus.add_hook(hook)
+        with anyio.fail_after(30):
+            await bus.publish(Start(is_train=True))
+        assert hook.writer.stats()["sink_open"]
+        assert "dt=20261122" in server.state.partitions["t"]
+        await run_steps(bus, range(4))
+    assert odps_ids(server) == list(range(4 * ROWS))
+
+
+@pytest.mark.anyio
+async def test_start_after_a_failed_open_returns_and_the_first_batch_retries(
+    server: OdpsServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    server.inject("table_meta", "4xx", times=1)
+    hook = odps_hook(server, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="recis_async.writer"):
+        async with HookBus() as bus:
+            bus.add_hook(hook)
+            with anyio.fail_after(30):
+                await bus.publish(Start(is_train=True))
+            assert "cannot open the sink yet" in caplog.text
+            assert not hook.writer.stats()["sink_open"]
+            await run_steps(bus, range(4))
     assert odps_ids(server) == list(range(4 * ROWS))
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..events import AfterEval, AfterStep, End
+from ..events import AfterEval, AfterStep, End, Start
 from ..hook import Hook, OnError
 from ..trackers import JsonlTracker, RunSpec, StepRecord, Tracker, TrackerService
 from ..trackers.base import (
@@ -126,6 +126,13 @@ class MLTrackerHook(Hook):
         run = RunSpec(project=self.project, name=self.name, run_id=self.id, params=self.params)
         self._service = TrackerService(self.tracker, run, name=self.state_key, **self._service_args)
         bus.start_service(self._service)
+
+    async def start(self, event: Start) -> None:
+        """Wait for the tracker's start, begun when the bus started (for MLflow: its process,
+        import, store and run): it then runs before the first step instead of beside the
+        first steps, taking their CPU.  A failure follows ``on_error``."""
+        if self._service is not None:
+            await self._service.wait_started()
 
     async def after_step(self, event: AfterStep) -> None:
         if event.is_train and event.tracked:

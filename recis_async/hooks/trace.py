@@ -9,7 +9,8 @@ immutable batch and handed to a :class:`~recis_async.writer.TraceWriter` whose `
 workers write it through the sink in worker threads.  Memory stays bounded: ``after_step``
 waits only while ``worker_num + 1`` sealed batches are pending.  Leaving the bus seals the
 rest and drains everything within the bus's ``flush_timeout``; what cannot be delivered is
-spilled to a replayable file and reported as an error.
+spilled to a replayable file and reported as an error.  The sink is opened when the bus starts
+and ``Start`` waits for that open, so its cost lands before the first step.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..buffer import ColumnBuffer
-from ..events import AfterStep
+from ..events import AfterStep, Start
 from ..hook import Hook
 from ..sinks.base import Sink
 from ..sinks.odps import OdpsSink
@@ -122,6 +123,12 @@ class TraceHook(Hook):
 
     def attach(self, bus: HookBus) -> None:
         bus.start_service(self._writer)
+
+    async def start(self, event: Start) -> None:
+        """Wait for the sink's open, begun when the bus started (imports, client, table and
+        partition checks): it then runs before the first step instead of beside the first
+        steps, taking their CPU.  A failed open was logged; the first batch retries it."""
+        await self._writer.wait_open()
 
     def outputs(self) -> dict[str, str]:
         where = str(getattr(self.sink, "location", None) or self.sink.name)

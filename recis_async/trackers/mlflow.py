@@ -23,6 +23,7 @@ several trackers can coexist in one process.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import os
 import shutil
@@ -56,14 +57,26 @@ MAX_PARAM_VALUE_CHARS = 6000
 _METRIC_OVERHEAD_BYTES = 96
 
 
+_MISSING = "MlflowTracker needs the mlflow package: pip install recis_async[mlflow]"
+
+
 def _import_mlflow() -> Any:
     try:
         import mlflow
     except ImportError as exc:
-        raise ImportError(
-            "MlflowTracker needs the mlflow package: pip install recis_async[mlflow]"
-        ) from exc
+        raise ImportError(_MISSING) from exc
     return mlflow
+
+
+def _check_mlflow() -> None:
+    """Fail here if mlflow is missing, without importing it (seconds of CPU the training
+    process does not need: the child imports it)."""
+    try:
+        found = importlib.util.find_spec("mlflow") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ImportError(_MISSING)
 
 
 def metric_requests(metrics: Sequence[Any]) -> list[list[Any]]:
@@ -89,8 +102,8 @@ class MlflowTracker(SubprocessTracker):
     (local, offline), an ``http(s)://`` server, or any URI mlflow accepts; ``None`` uses
     mlflow's default.  ``run_id`` is the run's id once started.
 
-    The child is started with ``spawn`` (see :class:`SubprocessTracker`): the program's main
-    module must be import-safe (``if __name__ == "__main__":``).
+    The child is a fresh interpreter importing mlflow and this module only (see
+    :class:`SubprocessTracker`).
     """
 
     def __init__(
@@ -100,7 +113,7 @@ class MlflowTracker(SubprocessTracker):
         artifact_location: str | None = None,
         tags: dict[str, str] | None = None,
     ) -> None:
-        _import_mlflow()  # a missing extra fails here, not in the child
+        _check_mlflow()  # a missing extra fails here, not in the child
         super().__init__(
             functools.partial(
                 MlflowClientTracker,

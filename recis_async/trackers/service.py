@@ -126,6 +126,7 @@ class TrackerService:
         self._closing = False
         self._flush_requested = False
         self._started = False
+        self._start_tried: anyio.Event | None = None  # set once tracker.start has ended
         self._failure: BaseException | None = None
         self._disabled = False
         self._limiter = anyio.CapacityLimiter(1)
@@ -210,16 +211,29 @@ class TrackerService:
             self._done.set()
             self._notify()
 
+    async def wait_started(self) -> bool:
+        """Wait until ``tracker.start`` (run when the service starts) has ended; return whether
+        it succeeded (a failure follows ``on_error`` as usual).  Returns at once once closing."""
+        if self._start_tried is None:
+            self._start_tried = anyio.Event()
+        if not self._closing:
+            await self._start_tried.wait()
+        return self._started
+
     async def _serve(self) -> None:
+        if self._start_tried is None:
+            self._start_tried = anyio.Event()
         try:
             await self._in_thread(self.tracker.start, self.run_spec)
         except Exception as exc:
             self._counts["errors"] += 1
+            self._start_tried.set()
             await self._give_up(exc, "start")
             if self.on_error == "raise":
                 raise TrackerError(f"{self.name}: tracker.start failed: {exc!r}") from exc
             return
         self._started = True
+        self._start_tried.set()
         while True:
             while not self._pending and not self._closing:
                 await self._wait()

@@ -7,18 +7,27 @@ few thousand metrics per second that costs several percent of a small model's st
 ``start`` / ``log`` / ``finish`` over a pipe as msgpack (arrays as raw bytes), so the
 training process only encodes the batch and waits on the pipe with the GIL released.
 
-``factory`` must be picklable (a class, a module-level function, or a ``functools.partial``
-of them), e.g. ``SubprocessTracker(functools.partial(MlflowTracker, "sqlite:///runs.db"))``.
-The child is started with the ``spawn`` method by default, so the program's main module
-must be import-safe (``if __name__ == "__main__":``), as for any multiprocessing code.
+``factory`` must be picklable by reference to a module other than the program's
+``__main__`` (a class, a module-level function, or a ``functools.partial`` of them), e.g.
+``SubprocessTracker(functools.partial(MlflowClientTracker, "sqlite:///runs.db"))``.  The
+child is a fresh interpreter (``sys.executable``, the parent's ``sys.path``) that imports only
+what the factory needs -- not the program's main module, as multiprocessing's ``spawn`` would,
+and not torch -- so it starts in about the time its tracker's own imports take.  Once
+``finish`` is answered the child exits at once, without the interpreter's teardown (no
+``atexit`` handlers): a tracker's ``finish`` must leave its run stored.
 """
 
 from __future__ import annotations
 
 import functools
-import multiprocessing
+import json
+import os
 import pickle
+import pickletools
 import signal
+import socket
+import subprocess
+import sys
 import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
@@ -68,8 +77,47 @@ class _Reply(msgspec.Struct, array_like=True):
     run_id: str | None = None  # the child tracker's ``run_id`` after start, if it has one
 
 
-def _serve(conn: Connection, factory_pickle: bytes) -> None:
-    """Child process: build the tracker, answer calls until ``finish`` or the pipe closes.
+#: What the child runs: argv[1] is its end of the socket pair, argv[2] the parent's sys.path.
+_CHILD_CODE = (
+    "import json, sys\n"
+    "sys.path[:] = json.loads(sys.argv[2])\n"
+    "from recis_async.trackers.subprocess import _child_main\n"
+    "_child_main(int(sys.argv[1]))\n"
+)
+
+
+def _child_main(fd: int) -> None:
+    """Entry point of the child interpreter: the factory arrives as the first message."""
+    conn = Connection(fd)
+    try:
+        factory_pickle = conn.recv_bytes()
+    except EOFError:
+        return
+    if _serve(conn, factory_pickle):
+        # finished and answered: the run's data is stored, so skip the interpreter's
+        # teardown of mlflow, SQLAlchemy & co. (seconds the parent's close would wait for)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def _main_references(data: bytes) -> bool:
+    """Whether a pickle refers to anything in the program's ``__main__`` module."""
+    strings: list[str] = []
+    for opcode, arg, _ in pickletools.genops(data):
+        if opcode.name in ("GLOBAL", "INST") and isinstance(arg, str):
+            if arg.split(" ", 1)[0] == "__main__":
+                return True
+        elif isinstance(arg, str):
+            strings.append(arg)
+        if opcode.name == "STACK_GLOBAL" and len(strings) >= 2 and strings[-2] == "__main__":
+            return True
+    return False
+
+
+def _serve(conn: Connection, factory_pickle: bytes) -> bool:
+    """Child process: build the tracker, answer calls until ``finish`` (returns True once it
+    was answered) or the pipe closes (False).
 
     Ctrl-C reaches the whole process group; the child ignores it, so the parent's bus can
     still deliver what is buffered and finish the run while it shuts down."""
@@ -82,7 +130,7 @@ def _serve(conn: Connection, factory_pickle: bytes) -> None:
             try:
                 call = decoder.decode(conn.recv_bytes())
             except EOFError:
-                return
+                return False
             try:
                 if call.op == "start":
                     tracker = pickle.loads(factory_pickle)()
@@ -99,7 +147,7 @@ def _serve(conn: Connection, factory_pickle: bytes) -> None:
                 reply = _Reply(True, run_id=run_id if isinstance(run_id, str) else None)
                 conn.send_bytes(encoder.encode(reply))
             if call.op == "finish":
-                return
+                return True
     finally:
         conn.close()
 
@@ -107,13 +155,7 @@ def _serve(conn: Connection, factory_pickle: bytes) -> None:
 class SubprocessTracker:
     """A :class:`~recis_async.trackers.Tracker` that runs ``factory()`` in a child process."""
 
-    def __init__(
-        self,
-        factory: Callable[[], Tracker],
-        *,
-        start_method: str = "spawn",
-        call_timeout: float = 300.0,
-    ) -> None:
+    def __init__(self, factory: Callable[[], Tracker], *, call_timeout: float = 300.0) -> None:
         if not callable(factory):
             raise TypeError(f"SubprocessTracker.factory: expected a callable, got {factory!r}")
         try:
@@ -123,16 +165,15 @@ class SubprocessTracker:
                 "SubprocessTracker.factory: expected a picklable callable (a class, a module-level "
                 f"function or functools.partial of one), got {factory!r} ({exc})"
             ) from None
-        if start_method not in multiprocessing.get_all_start_methods():
+        if _main_references(self._factory):
             raise ValueError(
-                f"SubprocessTracker.start_method: expected one of "
-                f"{multiprocessing.get_all_start_methods()}, got {start_method!r}"
+                "SubprocessTracker.factory: expected a callable importable from a module (the "
+                f"child does not run the program's __main__), got {factory!r} from __main__"
             )
         if not call_timeout > 0:
             raise ValueError(
                 f"SubprocessTracker.call_timeout: expected seconds > 0, got {call_timeout!r}"
             )
-        self.start_method = start_method
         self.call_timeout = float(call_timeout)
         target = factory.func if isinstance(factory, functools.partial) else factory
         self._describe = getattr(target, "__qualname__", None) or type(target).__name__
@@ -150,14 +191,15 @@ class SubprocessTracker:
         return None if self._proc is None else int(self._proc.pid)
 
     def start(self, run: RunSpec) -> None:
-        ctx: Any = multiprocessing.get_context(self.start_method)
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(
-            target=_serve, args=(child, self._factory), daemon=True, name="recis_async-tracker"
-        )
-        proc.start()
-        child.close()
-        self._proc, self._conn = proc, parent
+        ours, theirs = socket.socketpair()
+        with ours, theirs:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _CHILD_CODE, str(theirs.fileno()), json.dumps(sys.path)],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+            )
+            self._proc, self._conn = proc, Connection(ours.detach())
+        self._conn.send_bytes(self._factory)
         self._call(_Call("start", run=run))
 
     def log(self, records: Sequence[StepRecord]) -> None:
@@ -183,15 +225,9 @@ class SubprocessTracker:
         except (EOFError, OSError) as exc:
             proc = self._proc
             self._stop()
-            code = None if proc is None else proc.exitcode
-            hint = (
-                " (a program whose main module is not import-safe must guard its main code "
-                'with `if __name__ == "__main__":`)'
-                if call.op == "start"
-                else ""
-            )
+            code = None if proc is None else proc.returncode
             raise RuntimeError(
-                f"{self!r}: the tracker process is gone during {call.op} (exit code {code})" + hint
+                f"{self!r}: the tracker process is gone during {call.op} (exit code {code})"
             ) from exc
         if not reply.ok:
             raise RuntimeError(f"{self!r}: {call.op} failed in the tracker process: {reply.error}")
@@ -204,7 +240,8 @@ class SubprocessTracker:
         if conn is not None:
             conn.close()
         if proc is not None:
-            proc.join(10)
-            if proc.is_alive():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.join(5)
+                proc.wait(5)
