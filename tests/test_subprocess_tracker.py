@@ -37,6 +37,15 @@ class RefusingTracker(JsonlTracker):
         super().log(records)
 
 
+class HangingTracker(JsonlTracker):
+    """Never answers a log of step 777 (module level: the child imports it)."""
+
+    def log(self, records: Sequence[StepRecord]) -> None:
+        if any(r.step == 777 for r in records):
+            time.sleep(120)
+        super().log(records)
+
+
 def _run_dir(root: Path) -> Path:
     (project,) = list(root.iterdir())
     (run,) = list(project.iterdir())
@@ -145,6 +154,21 @@ def test_child_errors_and_death_become_errors_here(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match=r"tracker process is gone during log \(exit code 3\)"):
         tracker.log([StepRecord(666, 0.0, {"x": 1.0})])
     assert [r.step for r in read_records(_run_dir(tmp_path) / "metrics.jsonl")] == [1, 2]
+
+
+def test_a_hung_child_is_a_timeout_and_is_killed_at_once(tmp_path: Path) -> None:
+    """A call the child does not answer within call_timeout raises a timeout naming the
+    call, and the unresponsive child is killed and reaped then, not waited on."""
+    tracker = SubprocessTracker(functools.partial(HangingTracker, tmp_path))
+    tracker.start(RunSpec(project="p", name="n"))
+    tracker.call_timeout = 1.0
+    proc = tracker._proc
+    assert proc is not None
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"log got no answer in 1.0s"):
+        tracker.log([StepRecord(777, 0.0, {"x": 1.0})])
+    assert time.monotonic() - started < 6
+    assert proc.returncode is not None  # reaped: no zombie, no orphan still sleeping
 
 
 def test_constructor_validation() -> None:
