@@ -103,7 +103,9 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> Any:
     module = _WHERE.get(name)
     if module is not None:
-        return getattr(importlib.import_module(module, __name__), name)
+        value = getattr(importlib.import_module(module, __name__), name)
+        globals()[name] = value  # later lookups are plain attribute reads, as with an import
+        return value
     # a subpackage not imported yet (``recis_async.hooks.X`` after ``import recis_async``)
     if (
         name.isidentifier()
