@@ -46,6 +46,13 @@ class HangingTracker(JsonlTracker):
         super().log(records)
 
 
+class UnstartableTracker(JsonlTracker):
+    """Refuses to start (module level: the child imports it)."""
+
+    def start(self, run: RunSpec) -> None:
+        raise PermissionError("no such project")
+
+
 def _run_dir(root: Path) -> Path:
     (project,) = list(root.iterdir())
     (run,) = list(project.iterdir())
@@ -169,6 +176,17 @@ def test_a_hung_child_is_a_timeout_and_is_killed_at_once(tmp_path: Path) -> None
         tracker.log([StepRecord(777, 0.0, {"x": 1.0})])
     assert time.monotonic() - started < 6
     assert proc.returncode is not None  # reaped: no zombie, no orphan still sleeping
+
+
+def test_a_failed_start_ends_the_child(tmp_path: Path) -> None:
+    """A tracker whose start fails in the child leaves no child process behind (nothing
+    calls finish on a run that never started)."""
+    tracker = SubprocessTracker(functools.partial(UnstartableTracker, tmp_path))
+    with pytest.raises(RuntimeError, match="start failed in the tracker process"):
+        tracker.start(RunSpec(project="p", name="n"))
+    proc = tracker._proc
+    assert proc is not None and proc.returncode is not None
+    tracker.finish("failed")  # still a no-op, not an error
 
 
 def test_constructor_validation() -> None:

@@ -199,8 +199,12 @@ class SubprocessTracker:
                 stdin=subprocess.DEVNULL,
             )
             self._proc, self._conn = proc, Connection(ours.detach())
-        self._conn.send_bytes(self._factory)
-        self._call(_Call("start", run=run))
+        try:
+            self._conn.send_bytes(self._factory)
+            self._call(_Call("start", run=run))
+        except BaseException:
+            self._stop()  # nothing calls finish on a run that never started: end the child
+            raise
 
     def log(self, records: Sequence[StepRecord]) -> None:
         self._call(_Call("log", records=list(records)))
