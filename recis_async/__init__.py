@@ -103,7 +103,9 @@ def __getattr__(name: str) -> Any:
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module, __name__), name)
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups are plain attribute reads, as with an import
+    return value
 
 
 def __dir__() -> list[str]:

@@ -137,7 +137,8 @@ class TraceHook(Hook):
             where += f" ({stats['rows']} rows written)"
         if stats["spill_files"]:
             spilled = f"{stats['spilled_rows']} rows in {', '.join(stats['spill_files'])}"
-            return {"traces": where, "undelivered traces (see replay_spill)": spilled}
+            replay = "undelivered traces (replay: python -m recis_async.spill replay FILE)"
+            return {"traces": where, replay: spilled}
         if stats["batches"]:
             return {"traces": where}
         return {
