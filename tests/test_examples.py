@@ -58,4 +58,5 @@ def test_train_ctr_learns_and_writes_every_output(tmp_path: Path) -> None:
 def test_train_loop_example_runs() -> None:
     proc = run("examples/train_loop.py", "--steps", "100")
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "step 5: loss=" in proc.stdout  # the custom hook's own lines show before the stop
     assert "run ended: ok" in proc.stdout
