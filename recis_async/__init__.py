@@ -14,6 +14,7 @@ tracker's child process, say -- does not import torch with it.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -101,11 +102,18 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value  # later lookups are plain attribute reads, as with an import
-    return value
+    if module is not None:
+        value = getattr(importlib.import_module(module, __name__), name)
+        globals()[name] = value  # later lookups are plain attribute reads, as with an import
+        return value
+    # a subpackage not imported yet (``recis_async.hooks.X`` after ``import recis_async``)
+    if (
+        name.isidentifier()
+        and not name.startswith("_")
+        and importlib.util.find_spec(f"{__name__}.{name}") is not None
+    ):
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

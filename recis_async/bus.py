@@ -194,12 +194,14 @@ class HookBus:
             status = "cancelled"
         else:
             status = "failed"
+        end = End(status=status)  # type: ignore[arg-type]
+        reached: list[Subscription] = []  # the End subscribers the dispatch got to
         with anyio.CancelScope(deadline=deadline) as scope:
             if status == "failed":
                 assert exc is not None
                 error = Error(exc_type=type(exc).__qualname__, message=str(exc))
                 await self._dispatch(error, errors)
-            await self._dispatch(End(status=status), errors)  # type: ignore[arg-type]
+            await self._dispatch(end, errors, reached)
         if scope.cancelled_caught:
             errors.append(
                 HookError(
@@ -208,6 +210,21 @@ class HookBus:
                     event="End",
                 )
             )
+            # The synchronous End subscribers after the one that overran still get End:
+            # they cannot hold up the close, and they release what the run held (a progress
+            # bar and the log handlers routed through it, say).
+            route = self._routes.get(End) or self._route(End)
+            for sub, fn, is_async, filtered in route.entries:
+                if is_async or not sub.active or sub in reached:
+                    continue
+                try:
+                    if filtered and not sub.accepts(end, perf_counter()):
+                        continue
+                    result = fn(end)
+                    if inspect.iscoroutine(result):
+                        result.close()  # no time left to await it
+                except Exception as exc:
+                    self._failed(sub, end, exc, errors)
 
     async def _close_service(
         self, service: Service, deadline: float, errors: list[HookError]
@@ -577,7 +594,9 @@ class HookBus:
             self._last_yield = t
             await yield_to_services()
 
-    async def _dispatch(self, event: Event, errors: list[HookError]) -> None:
+    async def _dispatch(
+        self, event: Event, errors: list[HookError], reached: list[Subscription] | None = None
+    ) -> None:
         """Deliver to every subscriber, collecting ``on_error="raise"`` failures in ``errors``
         instead of stopping at the first (``End`` and ``Error``, and everything at close).
 
@@ -591,6 +610,8 @@ class HookBus:
         for sub, fn, is_async, filtered in route.entries:
             if not sub.active:
                 continue
+            if reached is not None:
+                reached.append(sub)
             try:
                 if filtered and not sub.accepts(event, t):
                     continue

@@ -12,12 +12,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+import anyio
 import pytest
 from terminal import render, run_in_terminal
 
 import recis_async
 from recis_async import HookBus
-from recis_async.events import AfterStep, BeforeStep
+from recis_async.events import AfterStep, BeforeStep, End
 from recis_async.hooks import LoggerHook, ProgressBarHook
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -272,3 +273,30 @@ def test_enable_logging_names_a_bad_level() -> None:
     with pytest.raises(TypeError, match=r"enable_logging\(stream=...\)"):
         recis_async.enable_logging(stream="stderr")  # type: ignore[arg-type]
     assert logging.getLogger("recis_async").handlers == []
+
+
+@pytest.mark.anyio
+async def test_bar_and_handlers_restored_when_end_runs_out_of_time() -> None:
+    """An End subscriber that overruns ``flush_timeout`` ahead of the bar does not leave the
+    bar drawn and the console handlers writing through tqdm after the bus closed."""
+    screen = io.StringIO()
+    handler = logging.StreamHandler(screen)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    bar = ProgressBarHook(total=3, file=screen, mininterval=1e-9)
+    try:
+        with pytest.raises(recis_async.HookError, match="flush_timeout"):
+            async with HookBus(flush_timeout=0.2) as bus:
+
+                async def slow_end(event: object) -> None:
+                    await anyio.sleep(30)
+
+                bus.subscribe(End, slow_end, priority="HIGHEST")
+                bus.add_hook(bar)
+                for step in range(3):
+                    await bus.publish(BeforeStep(global_step=step))
+                    await bus.publish(AfterStep(global_step=step, samples=1, metrics={}))
+        assert handler.stream is screen
+        assert bar._bar is None
+    finally:
+        root.removeHandler(handler)

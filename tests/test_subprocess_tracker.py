@@ -37,6 +37,22 @@ class RefusingTracker(JsonlTracker):
         super().log(records)
 
 
+class HangingTracker(JsonlTracker):
+    """Never answers a log of step 777 (module level: the child imports it)."""
+
+    def log(self, records: Sequence[StepRecord]) -> None:
+        if any(r.step == 777 for r in records):
+            time.sleep(120)
+        super().log(records)
+
+
+class UnstartableTracker(JsonlTracker):
+    """Refuses to start (module level: the child imports it)."""
+
+    def start(self, run: RunSpec) -> None:
+        raise PermissionError("no such project")
+
+
 def _run_dir(root: Path) -> Path:
     (project,) = list(root.iterdir())
     (run,) = list(project.iterdir())
@@ -145,6 +161,32 @@ def test_child_errors_and_death_become_errors_here(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match=r"tracker process is gone during log \(exit code 3\)"):
         tracker.log([StepRecord(666, 0.0, {"x": 1.0})])
     assert [r.step for r in read_records(_run_dir(tmp_path) / "metrics.jsonl")] == [1, 2]
+
+
+def test_a_hung_child_is_a_timeout_and_is_killed_at_once(tmp_path: Path) -> None:
+    """A call the child does not answer within call_timeout raises a timeout naming the
+    call, and the unresponsive child is killed and reaped then, not waited on."""
+    tracker = SubprocessTracker(functools.partial(HangingTracker, tmp_path))
+    tracker.start(RunSpec(project="p", name="n"))
+    tracker.call_timeout = 1.0
+    proc = tracker._proc
+    assert proc is not None
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"log got no answer in 1.0s"):
+        tracker.log([StepRecord(777, 0.0, {"x": 1.0})])
+    assert time.monotonic() - started < 6
+    assert proc.returncode is not None  # reaped: no zombie, no orphan still sleeping
+
+
+def test_a_failed_start_ends_the_child(tmp_path: Path) -> None:
+    """A tracker whose start fails in the child leaves no child process behind (nothing
+    calls finish on a run that never started)."""
+    tracker = SubprocessTracker(functools.partial(UnstartableTracker, tmp_path))
+    with pytest.raises(RuntimeError, match="start failed in the tracker process"):
+        tracker.start(RunSpec(project="p", name="n"))
+    proc = tracker._proc
+    assert proc is not None and proc.returncode is not None
+    tracker.finish("failed")  # still a no-op, not an error
 
 
 def test_constructor_validation() -> None:

@@ -199,8 +199,12 @@ class SubprocessTracker:
                 stdin=subprocess.DEVNULL,
             )
             self._proc, self._conn = proc, Connection(ours.detach())
-        self._conn.send_bytes(self._factory)
-        self._call(_Call("start", run=run))
+        try:
+            self._conn.send_bytes(self._factory)
+            self._call(_Call("start", run=run))
+        except BaseException:
+            self._stop()  # nothing calls finish on a run that never started: end the child
+            raise
 
     def log(self, records: Sequence[StepRecord]) -> None:
         self._call(_Call("log", records=list(records)))
@@ -219,9 +223,9 @@ class SubprocessTracker:
             raise RuntimeError(f"{self!r}: {call.op} before start")
         try:
             conn.send_bytes(self._encoder.encode(call))
-            if not conn.poll(self.call_timeout):
-                raise TimeoutError(f"{self!r}: {call.op} got no answer in {self.call_timeout}s")
-            reply = self._decoder.decode(conn.recv_bytes())
+            answered = conn.poll(self.call_timeout)
+            if answered:
+                reply = self._decoder.decode(conn.recv_bytes())
         except (EOFError, OSError) as exc:
             proc = self._proc
             self._stop()
@@ -229,17 +233,22 @@ class SubprocessTracker:
             raise RuntimeError(
                 f"{self!r}: the tracker process is gone during {call.op} (exit code {code})"
             ) from exc
+        if not answered:  # the child hangs: kill it now rather than wait for it to exit
+            self._stop(kill=True)
+            raise TimeoutError(f"{self!r}: {call.op} got no answer in {self.call_timeout}s")
         if not reply.ok:
             raise RuntimeError(f"{self!r}: {call.op} failed in the tracker process: {reply.error}")
         if reply.run_id is not None:
             self.run_id = reply.run_id
 
-    def _stop(self) -> None:
+    def _stop(self, *, kill: bool = False) -> None:
         conn, proc = self._conn, self._proc
         self._conn = None
         if conn is not None:
             conn.close()
         if proc is not None:
+            if kill:
+                proc.kill()
             try:
                 proc.wait(10)
             except subprocess.TimeoutExpired:

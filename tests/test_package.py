@@ -1,0 +1,57 @@
+"""The top-level package: its names and subpackages reachable as attributes, imported lazily."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_fresh(code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh interpreter, where nothing of recis_async is imported yet."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_subpackages_are_attributes_after_a_bare_import() -> None:
+    """``import recis_async`` then ``recis_async.hooks.X`` works, as it did before the
+    top-level names became lazy."""
+    result = run_fresh(
+        """
+        import recis_async
+        assert recis_async.hooks.LoggerHook.__name__ == "LoggerHook"
+        assert recis_async.events.AfterStep.__name__ == "AfterStep"
+        assert recis_async.sinks.ParquetSink.__name__ == "ParquetSink"
+        assert recis_async.trackers.JsonlTracker.__name__ == "JsonlTracker"
+        assert recis_async.nn.HashTable.__name__ == "HashTable"
+        assert callable(recis_async.spill.replay_spill)
+        """
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_every_exported_name_resolves_and_is_listed() -> None:
+    result = run_fresh(
+        """
+        import recis_async
+        for name in recis_async.__all__:
+            getattr(recis_async, name)
+        assert set(recis_async.__all__) <= set(dir(recis_async))
+        try:
+            recis_async.no_such_name
+        except AttributeError as exc:
+            assert "no_such_name" in str(exc)
+        else:
+            raise AssertionError("no AttributeError")
+        """
+    )
+    assert result.returncode == 0, result.stderr
