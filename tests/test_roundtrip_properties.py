@@ -23,27 +23,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from odps_server import OdpsServer, read_with_pyodps, sink_config
+from trace_data import ALL_TYPES
 
 from recis_async import HookBus, HookError, add_to_trace
 from recis_async.events import AfterStep, BeforeStep
 from recis_async.hooks import TraceHook
 from recis_async.sinks import OdpsSink, ParquetSink
 
-TYPES = [
-    "bigint",
-    "int",
-    "double",
-    "float",
-    "boolean",
-    "string",
-    "binary",
-    "datetime",
-    "array<bigint>",
-    "array<int>",
-    "array<double>",
-    "array<float>",
-    "array<string>",
-]
+TYPES = ALL_TYPES  # every supported ODPS type
 INT_RANGE = {"bigint": (-(2**63), 2**63 - 1), "int": (-(2**31), 2**31 - 1)}
 TORCH = {
     "bigint": torch.int64,
