@@ -63,10 +63,11 @@ class ParquetSink:
     ) -> None:
         if not isinstance(table, str) or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", table):
             raise ValueError(
-                f"table: expected a name of letters, digits, '_', '-' or '.', got {table!r}"
+                "ParquetSink: table: expected a name of letters, digits, '_', '-' or '.', "
+                f"got {table!r}"
             )
         if rank is not None and (type(rank) is not int or rank < 0):
-            raise ValueError(f"rank: expected an int >= 0 or None, got {rank!r}")
+            raise ValueError(f"ParquetSink: rank: expected an int >= 0 or None, got {rank!r}")
         self._root = Path(dir_path("ParquetSink", "root", root))  # proven writable by open()
         self._table = table
         self._partition = parse_partition(partition)
