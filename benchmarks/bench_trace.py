@@ -301,8 +301,8 @@ def baseline_writer(
     queue: Any, ready: Any, kind: str, out: str, port: int | None, table: str, threshold: int
 ) -> None:
     """A RecIS-style writer process: buffer rows from the queue, write at the threshold."""
-    from recis_async.buffer import ColumnBuffer
     from recis_async.sinks import Attempt
+    from recis_async.trace.buffer import ColumnBuffer
 
     buffer = ColumnBuffer(FIELDS, TYPES)
     sink = make_sink(kind, Path(out), port, table)

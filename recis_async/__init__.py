@@ -22,7 +22,14 @@ if TYPE_CHECKING:
     from .bus import HookBus
     from .collect import add_metric, add_to_ml_tracker, add_to_trace
     from .console import disable_logging, enable_logging
-    from .errors import HookError
+    from .errors import (
+        HookError,
+        NanLossError,
+        RecisAsyncError,
+        SinkError,
+        TraceDeliveryError,
+        TrackerError,
+    )
     from .hook import Hook
     from .hooks import (
         CheckpointSaverHook,
@@ -37,8 +44,8 @@ if TYPE_CHECKING:
     )
     from .priority import Priority
     from .service import Service
-    from .sinks import OdpsSink, ParquetSink
     from .subscription import Subscription
+    from .trace import OdpsSink, ParquetSink
     from .trainer import Trainer, TrainingArguments
 
 _WHERE = {
@@ -50,6 +57,11 @@ _WHERE = {
     "disable_logging": ".console",
     "enable_logging": ".console",
     "HookError": ".errors",
+    "NanLossError": ".errors",
+    "RecisAsyncError": ".errors",
+    "SinkError": ".errors",
+    "TraceDeliveryError": ".errors",
+    "TrackerError": ".errors",
     "Hook": ".hook",
     "CheckpointSaverHook": ".hooks",
     "LoggerHook": ".hooks",
@@ -62,8 +74,8 @@ _WHERE = {
     "TraceToOdpsHook": ".hooks",
     "Priority": ".priority",
     "Service": ".service",
-    "OdpsSink": ".sinks",
-    "ParquetSink": ".sinks",
+    "OdpsSink": ".trace",
+    "ParquetSink": ".trace",
     "Subscription": ".subscription",
     "Trainer": ".trainer",
     "TrainingArguments": ".trainer",
@@ -78,16 +90,21 @@ __all__ = [
     "MLTrackerHook",
     "MetricAggregator",
     "MetricReportHook",
+    "NanLossError",
     "OdpsSink",
     "ParquetSink",
     "Priority",
     "ProfilerHook",
     "ProgressBarHook",
+    "RecisAsyncError",
     "ReportArguments",
     "Service",
+    "SinkError",
     "Subscription",
+    "TraceDeliveryError",
     "TraceHook",
     "TraceToOdpsHook",
+    "TrackerError",
     "Trainer",
     "TrainingArguments",
     "add_metric",

@@ -1,11 +1,29 @@
-"""Exceptions raised by the bus."""
+"""The exceptions recis_async raises, under one base class.
+
+``except RecisAsyncError`` catches every one of them; each also keeps the built-in base it
+had before the family existed (``RuntimeError``, ``FloatingPointError``), so existing
+``except`` clauses keep working.
+"""
 
 from __future__ import annotations
 
-__all__ = ["HookError"]
+from pathlib import Path
+
+__all__ = [
+    "HookError",
+    "NanLossError",
+    "RecisAsyncError",
+    "SinkError",
+    "TraceDeliveryError",
+    "TrackerError",
+]
 
 
-class HookError(Exception):
+class RecisAsyncError(Exception):
+    """Base class of every exception recis_async defines."""
+
+
+class HookError(RecisAsyncError):
     """A subscriber or background service failed.
 
     ``subscriber`` names the hook method, function or service; ``event`` names the event being
@@ -17,3 +35,43 @@ class HookError(Exception):
         super().__init__(message)
         self.subscriber = subscriber
         self.event = event
+
+
+class SinkError(RecisAsyncError):
+    """A sink could not deliver a batch.
+
+    ``transient``: retrying the same batch may succeed (network errors, 5xx, throttling);
+    otherwise the batch is spilled at once.
+    """
+
+    def __init__(self, message: str, *, transient: bool) -> None:
+        super().__init__(message)
+        self.transient = transient
+
+
+class TraceDeliveryError(RecisAsyncError, RuntimeError):
+    """Batches could not be delivered and were spilled; raised by ``TraceWriter.aclose``.
+
+    ``spill_files`` are replayable with ``python -m recis_async.spill replay``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        spilled_batches: int,
+        spilled_rows: int,
+        spill_files: tuple[Path, ...],
+    ) -> None:
+        super().__init__(message)
+        self.spilled_batches = spilled_batches
+        self.spilled_rows = spilled_rows
+        self.spill_files = spill_files
+
+
+class TrackerError(RecisAsyncError, RuntimeError):
+    """A tracker call failed in the background (the original error is ``__cause__``)."""
+
+
+class NanLossError(RecisAsyncError, FloatingPointError):
+    """The training loss was NaN or infinite (raised by ``NanTensorHook``)."""

@@ -4,6 +4,10 @@ Each event maps 1:1 to a :class:`~recis_async.hook.Hook` method named as the cla
 snake_case (``AfterStep`` -> ``Hook.after_step``).  Events hold plain values (ints, floats,
 strings, dicts of those, and numpy arrays in ``AfterStep.trace``); no tensors are shared
 between hooks.  Users define their own events by subclassing :class:`Event`.
+
+``LIFECYCLE`` lists the built-in events in the order a run publishes them; ``EndStatus`` is
+how a run ended (``End.status``); ``NonNegativeInt`` is the checked ``int >= 0`` of steps,
+epochs and counts.
 """
 
 from __future__ import annotations

@@ -55,3 +55,41 @@ def test_every_exported_name_resolves_and_is_listed() -> None:
         """
     )
     assert result.returncode == 0, result.stderr
+
+
+PUBLIC_PACKAGES = (
+    "recis_async",
+    "recis_async.checkpoint",
+    "recis_async.events",
+    "recis_async.hooks",
+    "recis_async.nn",
+    "recis_async.sinks",
+    "recis_async.spill",
+    "recis_async.trace",
+    "recis_async.trackers",
+)
+
+
+def test_every_public_name_is_importable_and_documented() -> None:
+    """Each name in a public package's ``__all__`` imports, and says what it is: a docstring
+    of its own (classes, functions), or a mention in the package's docstring (constants)."""
+    result = run_fresh(
+        f"""
+        import importlib, importlib.util, inspect
+        missing = []
+        for package in {PUBLIC_PACKAGES!r}:
+            if importlib.util.find_spec(package) is None:
+                continue
+            module = importlib.import_module(package)
+            for name in module.__all__:
+                value = getattr(module, name)  # AttributeError fails the test
+                own = inspect.isclass(value) or inspect.isroutine(value)
+                doc = inspect.getdoc(value) if own else None
+                if own and not (doc and doc.strip()):
+                    missing.append(f"{{package}}.{{name}}: no docstring")
+                elif not own and name not in (module.__doc__ or ""):
+                    missing.append(f"{{package}}.{{name}}: not named in the package docstring")
+        assert not missing, "\\n".join(missing)
+        """
+    )
+    assert result.returncode == 0, result.stderr

@@ -6,7 +6,7 @@ import datetime as dt
 
 import numpy as np
 
-from recis_async.buffer import Batch, ColumnBuffer
+from recis_async.trace.buffer import Batch, ColumnBuffer
 
 ALL_FIELDS = [
     "c_bigint",

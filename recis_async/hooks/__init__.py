@@ -1,5 +1,6 @@
 """Built-in hooks.  Slow work (file writes, uploads, scans) runs in background services."""
 
+from ..errors import NanLossError
 from .checkpoint import (
     CheckpointSaverHook,
     latest_checkpoint,
@@ -15,7 +16,7 @@ from .logger import LoggerHook
 from .logging_tensor import LoggingTensorHook
 from .metric_report import MetricReportHook, ReportArguments
 from .ml_tracker import MLTrackerHook
-from .nan import NanLossError, NanTensorHook
+from .nan import NanTensorHook
 from .profiler import ProfilerHook
 from .progress import ProgressBarHook
 from .step_counter import StepCounterHook

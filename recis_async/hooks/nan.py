@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ..errors import NanLossError
 from ..events import AfterStep
 from ..hook import Hook
 from ..priority import Priority
@@ -16,13 +17,9 @@ from ..priority import Priority
 if TYPE_CHECKING:
     from ..bus import HookBus
 
-__all__ = ["NanLossError", "NanTensorHook"]
+__all__ = ["NanTensorHook"]
 
 logger = logging.getLogger("recis_async.hooks.nan")
-
-
-class NanLossError(FloatingPointError):
-    """The training loss was NaN or infinite (raised by :class:`NanTensorHook`)."""
 
 
 def _finite(value: Any) -> bool:

@@ -3,9 +3,9 @@
 At every ``AfterStep`` that carries trace data (``add_to_trace``), the step's columns are
 checked against the declared ``fields``/``types`` at once -- a bad step raises ``ValueError``
 from that ``publish`` (as :class:`~recis_async.HookError`) and nothing of it is kept -- and
-appended to a :class:`~recis_async.buffer.ColumnBuffer`.  When the buffer holds
+appended to a :class:`~recis_async.trace.buffer.ColumnBuffer`.  When the buffer holds
 ``size_threshold`` bytes (or its oldest row is ``max_age`` seconds old) it is sealed into an
-immutable batch and handed to a :class:`~recis_async.writer.TraceWriter` whose ``worker_num``
+immutable batch and handed to a :class:`~recis_async.trace.service.TraceWriter` whose ``worker_num``
 workers write it through the sink in worker threads.  Memory stays bounded: ``after_step``
 waits only while ``worker_num + 1`` sealed batches are pending.  Leaving the bus seals the
 rest and drains everything within the bus's ``flush_timeout``; what cannot be delivered is
@@ -19,12 +19,12 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from ..buffer import ColumnBuffer
 from ..events import AfterStep, Start
 from ..hook import Hook
-from ..sinks.base import Sink
-from ..sinks.odps import OdpsSink
-from ..writer import TraceWriter
+from ..trace.base import Sink
+from ..trace.buffer import ColumnBuffer
+from ..trace.odps import OdpsSink
+from ..trace.service import TraceWriter
 
 if TYPE_CHECKING:
     from ..bus import HookBus
@@ -39,7 +39,7 @@ class TraceHook(Hook):
     """Write every step's trace columns to ``sink`` in the background.
 
     ``fields``/``types``: the table's columns and their ODPS types (see
-    :mod:`recis_async.schema`).  ``worker_num``: concurrent writes.  ``size_threshold``:
+    :mod:`recis_async.trace.schema`).  ``worker_num``: concurrent writes.  ``size_threshold``:
     bytes buffered before a batch is sealed.  ``max_age``: seconds after which a non-empty
     buffer is sealed anyway (None: only by size, and at close).  ``retries`` /
     ``retry_backoff``: transient failures are retried this many times, backing off

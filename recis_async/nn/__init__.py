@@ -1,5 +1,9 @@
 """Dynamic embedding tables for sparse ids: ``HashTable``, ``DynamicEmbedding`` and their
-admission / filter policies."""
+admission / filter policies.
+
+``Initializer`` is the type of a new row's initializer (a callable filling a tensor in place);
+``DEFAULT_POLICIES`` is the registry of the built-in policies that specs name.
+"""
 
 from .builtin_policies import GlobalStepFilter, ReadOnly
 from .embedding import DynamicEmbedding, EmbeddingOption

@@ -1,7 +1,7 @@
 """The contract between the trace writer and the places traced rows end up.
 
 A sink's methods block and are called from worker threads (``anyio.to_thread``), never on
-the event loop.  :meth:`Sink.write` delivers one :class:`~recis_async.buffer.Batch`
+the event loop.  :meth:`Sink.write` delivers one :class:`~recis_async.trace.buffer.Batch`
 atomically -- all of its rows become visible or none do -- and every call uses a fresh file
 name, block id or upload session, so the writer may call it again with the same batch after
 a failure without duplicating rows.
@@ -24,22 +24,10 @@ import threading
 from collections.abc import Mapping
 from typing import Protocol, runtime_checkable
 
-from ..buffer import Batch
-from ..schema import OdpsType
+from .buffer import Batch
+from .schema import OdpsType
 
-__all__ = ["Attempt", "Sink", "SinkError", "parse_partition"]
-
-
-class SinkError(Exception):
-    """A sink could not deliver a batch.
-
-    ``transient``: retrying the same batch may succeed (network errors, 5xx, throttling);
-    otherwise the batch is spilled at once.
-    """
-
-    def __init__(self, message: str, *, transient: bool) -> None:
-        super().__init__(message)
-        self.transient = transient
+__all__ = ["Attempt", "Sink", "parse_partition"]
 
 
 class Attempt:

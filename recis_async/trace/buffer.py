@@ -3,7 +3,7 @@
 :class:`ColumnBuffer` checks a step's columns against the declared ``fields``/``types``
 before keeping anything of it, so a bad step fails at the ``publish`` that carried it and
 leaves the buffer exactly as it was.  Accepted steps are kept as per-step chunks (at most
-one copy of the caller's data, no concatenation; see :data:`~recis_async.schema.Chunk`)
+one copy of the caller's data, no concatenation; see :data:`~recis_async.trace.schema.Chunk`)
 and their size is counted exactly in bytes.  :meth:`ColumnBuffer.seal` hands them over as
 a :class:`Batch`: frozen, with read-only arrays, numbered by ``seq`` -- the unit a writer
 delivers, retries and spills.
@@ -38,7 +38,7 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True):
     """An immutable run of trace rows: what a sink writes in one atomic unit.
 
     ``columns[i]`` holds the chunks of ``fields[i]`` in row order (see
-    :data:`~recis_async.schema.Chunk`); every field has ``rows`` rows in total.  ``nbytes``
+    :data:`~recis_async.trace.schema.Chunk`); every field has ``rows`` rows in total.  ``nbytes``
     is the exact size of all arrays held.
     """
 
@@ -161,13 +161,13 @@ class ColumnBuffer:
 
     def _fast(self, trace: Mapping[str, object]) -> tuple[tuple[Chunk, ...], int] | None:
         """The common step, checked in one flat pass and kept as raw arrays (see
-        :data:`~recis_async.schema.Chunk`): every declared field a numpy array of its stored
+        :data:`~recis_async.trace.schema.Chunk`): every declared field a numpy array of its stored
         dtype, or of a number type cast to a floating point one, 1-D (2-D for
         ``array<...>``), all with one row count.  The arrays are copied only if the caller
         could still change them; casting and laying out happen in the writer.  It runs on
         every step right after the model's compute, when little of Python is in cache, so
         it touches as little as it can.  Anything else -- and every error -- goes the full
-        way through :func:`~recis_async.schema.convert`."""
+        way through :func:`~recis_async.trace.schema.convert`."""
         if len(trace) != len(self.fields):
             return None
         arrays = []

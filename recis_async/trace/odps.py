@@ -42,9 +42,10 @@ from urllib.parse import urlsplit
 import crc32c
 import pyarrow as pa
 
-from ..buffer import Batch
-from ..schema import OdpsType
-from .base import Attempt, SinkError, parse_partition
+from ..errors import SinkError
+from .base import Attempt, parse_partition
+from .buffer import Batch
+from .schema import OdpsType
 
 __all__ = ["OdpsSink"]
 

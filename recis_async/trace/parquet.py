@@ -25,9 +25,10 @@ import pyarrow.parquet as pq
 
 from .. import dist
 from .._checks import dir_path
-from ..buffer import Batch
-from ..schema import OdpsType
-from .base import Attempt, SinkError, parse_partition
+from ..errors import SinkError
+from .base import Attempt, parse_partition
+from .buffer import Batch
+from .schema import OdpsType
 
 __all__ = ["ParquetSink"]
 

@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import random
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from time import perf_counter
@@ -32,37 +33,21 @@ from typing import Any, Protocol
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ._checks import creatable_dir
+from .._checks import creatable_dir
+from ..errors import SinkError, TraceDeliveryError
+from ..service import yield_to_services
+from .base import Attempt, Sink
 from .buffer import Batch
 from .schema import OdpsType
-from .service import yield_to_services
-from .sinks.base import Attempt, Sink, SinkError
 from .spill import SpillEntry, write_spill
 
-__all__ = ["BatchSource", "TraceWriter", "TraceDeliveryError"]
+__all__ = ["BatchSource", "TraceWriter"]
 
 logger = logging.getLogger(__name__)
 
 
-class TraceDeliveryError(RuntimeError):
-    """Batches could not be delivered and were spilled; raised by :meth:`TraceWriter.aclose`."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        spilled_batches: int,
-        spilled_rows: int,
-        spill_files: tuple[Path, ...],
-    ) -> None:
-        super().__init__(message)
-        self.spilled_batches = spilled_batches
-        self.spilled_rows = spilled_rows
-        self.spill_files = spill_files
-
-
 class BatchSource(Protocol):
-    """Where batches are sealed upstream (a :class:`~recis_async.buffer.ColumnBuffer`)."""
+    """Where batches are sealed upstream (a :class:`~recis_async.trace.buffer.ColumnBuffer`)."""
 
     fields: tuple[str, ...]
     types: tuple[OdpsType, ...]
@@ -89,7 +74,7 @@ def _write(sink: Sink, batch: Batch, attempt: Attempt) -> None:
 
 
 class TraceWriter:
-    """Deliver sealed :class:`~recis_async.buffer.Batch` es to ``sink`` in the background.
+    """Deliver sealed :class:`~recis_async.trace.buffer.Batch` es to ``sink`` in the background.
 
     ``retries``: extra attempts per batch after a transient failure, waiting
     ``retry_backoff * 2**n`` seconds (capped at ``max_backoff``, with jitter) between them.
@@ -155,6 +140,8 @@ class TraceWriter:
         self._deadline = math.inf
         self._scopes: set[anyio.CancelScope] = set()
         self._open_lock = anyio.Lock()
+        self._close_lock = threading.Lock()  # between an abandoned open's thread and aclose
+        self._sink_closed = False
         self._opened = False
         self._open_tried = anyio.Event()  # the open at bus start ended, either way
         self._pending: dict[int, Batch] = {}  # id -> batch: handed over, not yet settled
@@ -391,10 +378,17 @@ class TraceWriter:
             return
         async with self._open_lock:
             if not self._opened:
-                await anyio.to_thread.run_sync(
-                    self.sink.open, fields, types, abandon_on_cancel=True
-                )
+                await anyio.to_thread.run_sync(self._open, fields, types, abandon_on_cancel=True)
+
+    def _open(self, fields: tuple[str, ...], types: tuple[OdpsType, ...]) -> None:
+        """Open the sink in a worker thread.  An open abandoned by the close ends after it: the
+        thread then closes the sink itself, so every sink that opened is closed exactly once."""
+        self.sink.open(fields, types)
+        with self._close_lock:
+            if not self._sink_closed:
                 self._opened = True
+                return
+        self.sink.close()
 
     async def _spill(self, entries: list[SpillEntry], kind: str, reason: str) -> None:
         """Write ``entries`` to a spill file; shielded, so cancellation cannot lose them."""
@@ -452,6 +446,8 @@ class TraceWriter:
                 await self._spill(leftovers, "close deadline", reason)
             finally:
                 with anyio.CancelScope(shield=True):
+                    with self._close_lock:
+                        self._sink_closed = True  # an open still running closes the sink itself
                     if self._opened:
                         try:
                             await anyio.to_thread.run_sync(self.sink.close)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..errors import TrackerError
 from .base import RunSpec, StepRecord, Tracker, check_metric_name, flatten_params
 from .jsonl import JsonlTracker, read_records
-from .service import TrackerError, TrackerService
+from .service import TrackerService
 from .subprocess import SubprocessTracker
 
 if TYPE_CHECKING:

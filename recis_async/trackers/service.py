@@ -30,10 +30,11 @@ import anyio
 import msgspec
 
 from ..console import log_failure
+from ..errors import TrackerError
 from ..events import EndStatus
 from .base import RunSpec, StepRecord, Tracker, encode_value, record_nbytes
 
-__all__ = ["TrackerService", "TrackerError", "OnError", "check_settings"]
+__all__ = ["TrackerService", "OnError", "check_settings"]
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +86,6 @@ class _Call:
 def default_spill_dir() -> Path:
     """Where tracker records that could not be delivered go unless ``spill_dir`` is given."""
     return Path(tempfile.gettempdir(), "recis_async_spill")
-
-
-class TrackerError(RuntimeError):
-    """A tracker call failed in the background (the original error is ``__cause__``)."""
 
 
 class TrackerService:

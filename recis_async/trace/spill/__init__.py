@@ -2,7 +2,7 @@
 
 Format, version 1 -- an Arrow IPC *stream* (``pyarrow.ipc``; suffix ``.arrows``):
 
-* The schema has one field per trace field, typed as in :mod:`recis_async.schema`.
+* The schema has one field per trace field, typed as in :mod:`recis_async.trace.schema`.
   Schema metadata (UTF-8): ``recis_async.spill`` = ``"1"``; ``fields`` and ``types`` = JSON
   lists of the declared names and ODPS type names; ``sink`` = the sink's description;
   ``reason`` = why the batches were spilled; ``created`` = ISO-8601 UTC time.
@@ -38,8 +38,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from ..base import Attempt, Sink
 from ..buffer import Batch
-from ..sinks.base import Attempt, Sink
 
 __all__ = [
     "ReplayReport",

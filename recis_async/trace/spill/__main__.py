@@ -17,9 +17,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..sinks.base import Sink, parse_partition
-from ..sinks.odps import ENV_ACCESS_ID, ENV_ACCESS_KEY, OdpsSink
-from ..sinks.parquet import ParquetSink
+from ..base import Sink, parse_partition
+from ..odps import ENV_ACCESS_ID, ENV_ACCESS_KEY, OdpsSink
+from ..parquet import ParquetSink
 from . import SpillFile, read_journal, read_spill, replay_spill
 
 __all__ = ["main"]

@@ -10,10 +10,10 @@ import pytest
 from odps_server import OdpsServer, read_with_pyodps, sink_config
 from trace_data import ALL_FIELDS, all_types_batch, expected_row, simple_batches
 
-from recis_async.buffer import Batch
-from recis_async.schema import OdpsType
 from recis_async.sinks import Attempt, OdpsSink, ParquetSink, SinkError
 from recis_async.spill import SpillEntry, read_spill, replay_spill, write_spill
+from recis_async.trace.buffer import Batch
+from recis_async.trace.schema import OdpsType
 
 
 def written_ids(root: Path, table: str = "t") -> list[int]:
@@ -134,6 +134,7 @@ def test_replay_into_odps_settles_a_commit_left_in_doubt(
     attempt = Attempt()
     with pytest.raises(SinkError, match="outcome is unknown"):
         sink.write(first, attempt)
+    sink.close()  # the job that failed ends; the replay below is a new process's sink
     server.clear_faults()
     path = write_spill(
         tmp_path,

@@ -12,7 +12,7 @@ import pytest
 
 from recis_async.nn import _native
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_built_once_then_loaded_from_the_cache(

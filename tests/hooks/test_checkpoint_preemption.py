@@ -16,8 +16,8 @@ import torch
 
 from recis_async.hooks import list_checkpoints
 
-SCRIPT = Path(__file__).parent / "scripts" / "preempt_train.py"
-ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "preempt_train.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(out: Path, *extra: str) -> subprocess.Popen[str]:

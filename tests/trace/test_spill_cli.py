@@ -29,7 +29,7 @@ from recis_async.hooks import TraceToOdpsHook
 from recis_async.spill import SpillEntry, journal_path, write_spill
 from recis_async.spill.__main__ import main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ROWS = 20  # 5 steps of 4 rows: two sealed batches of 8 rows and a remainder of 4
 
 

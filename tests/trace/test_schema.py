@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from trace_data import ALL_TYPES  # spelled out there, not derived from the code
 
-from recis_async.schema import (
+from recis_async.trace.schema import (
     OdpsType,
     convert,
     from_arrow,

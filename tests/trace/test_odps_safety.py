@@ -23,9 +23,9 @@ from odps_server import TEST_ACCESS_ID, TEST_SECRET, OdpsServer, read_with_pyodp
 from recis_async import HookBus, HookError, add_to_trace
 from recis_async.events import AfterStep, BeforeStep
 from recis_async.hooks import TraceToOdpsHook
-from recis_async.schema import parse_type
 from recis_async.sinks import Attempt, OdpsSink
 from recis_async.spill import read_spill
+from recis_async.trace.schema import parse_type
 
 SIMPLE = (("id",), (parse_type("bigint"),))
 _AUTH_VALUE = re.compile(r"(?i)authorization['\"]?\s*[:=]\s*['\"]?([^'\"\r\n,}]*)")
@@ -277,7 +277,7 @@ def test_several_sinks_share_one_redactor_per_logger_until_the_last_closes(
 
 
 def _batch() -> Any:
-    from recis_async.buffer import ColumnBuffer
+    from recis_async.trace.buffer import ColumnBuffer
 
     buffer = ColumnBuffer(["id"], ["bigint"])
     buffer.append({"id": np.arange(3)})
@@ -317,7 +317,7 @@ async def test_a_refused_endpoint_is_reported_at_once_and_named_in_the_error(
     }
     hook = TraceToOdpsHook(config, ["id"], ["bigint"], spill_dir=tmp_path / "spill")
     timed = _Timed()
-    writer_logger = logging.getLogger("recis_async.writer")
+    writer_logger = logging.getLogger("recis_async.trace.service")
     writer_logger.addHandler(timed)
     try:
         with pytest.raises(HookError) as info:
@@ -370,7 +370,7 @@ def test_redacting_a_huge_record_takes_linear_time() -> None:
     In a subprocess, so a regression fails by timeout instead of stalling the suite."""
     script = (
         "import logging\n"
-        "from recis_async.sinks.odps import _Redactor\n"
+        "from recis_async.trace.odps import _Redactor\n"
         "r = _Redactor.register(logging.getLogger('odps.rest'), object(), ('k3y',))\n"
         "record = logging.LogRecord('odps.rest', 10, 'f', 1, 'body: %s', ('A' * 1_000_000 "
         "+ ' k3y token=abc',), None)\n"
@@ -382,7 +382,7 @@ def test_redacting_a_huge_record_takes_linear_time() -> None:
         capture_output=True,
         text=True,
         timeout=60,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout == "A *** token=***\n"

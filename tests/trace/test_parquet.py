@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 from trace_data import ALL_FIELDS, ALL_TYPES, all_types_batch, expected_row, simple_batches
 
-from recis_async.schema import parse_type
 from recis_async.sinks import Attempt, ParquetSink, SinkError
+from recis_async.trace.schema import parse_type
 
 
 def opened(sink: ParquetSink, fields: list[str], types: list[str]) -> ParquetSink:

@@ -4,7 +4,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from recis_async.buffer import Batch, ColumnBuffer
+from recis_async.trace.buffer import Batch, ColumnBuffer
 
 FIELDS = ["user_id", "score", "emb", "tag"]
 TYPES = ["bigint", "double", "array<float>", "string"]
@@ -151,7 +151,7 @@ NUMERIC = [
     ids=lambda v: f"{v.dtype}{list(v.shape)}",
 )
 def test_the_per_step_fast_path_writes_what_the_full_conversion_writes(value: np.ndarray) -> None:
-    from recis_async.schema import convert, parse_type, to_arrow
+    from recis_async.trace.schema import convert, parse_type, to_arrow
 
     value.setflags(write=False)
     for type_name in NUMERIC:

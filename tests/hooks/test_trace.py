@@ -322,7 +322,7 @@ async def test_start_after_a_failed_open_returns_and_the_first_batch_retries(
 ) -> None:
     server.inject("table_meta", "4xx", times=1)
     hook = odps_hook(server, tmp_path)
-    with caplog.at_level(logging.WARNING, logger="recis_async.writer"):
+    with caplog.at_level(logging.WARNING, logger="recis_async.trace.service"):
         async with HookBus() as bus:
             bus.add_hook(hook)
             with anyio.fail_after(30):
@@ -362,7 +362,7 @@ async def test_an_early_open_that_fails_is_logged_and_retried_by_the_first_batch
 ) -> None:
     server.inject("table_meta", "4xx", times=1)
     hook = odps_hook(server, tmp_path)
-    with caplog.at_level(logging.WARNING, logger="recis_async.writer"):
+    with caplog.at_level(logging.WARNING, logger="recis_async.trace.service"):
         async with HookBus() as bus:
             bus.add_hook(hook)
             with anyio.fail_after(10):
@@ -502,8 +502,8 @@ async def test_the_secret_appears_in_no_output(
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_sigterm_stops_at_a_step_boundary_and_keeps_every_row(tmp_path: Path, backend: str) -> None:
-    script = Path(__file__).parent / "scripts" / "trace_loop.py"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    script = Path(__file__).resolve().parents[1] / "scripts" / "trace_loop.py"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     proc = subprocess.Popen(
         [sys.executable, str(script), str(tmp_path), backend],
         stdout=subprocess.PIPE,
