@@ -4,24 +4,7 @@ Kept because ``recis_async.spill`` is the documented import path and
 ``python -m recis_async.spill`` the documented command (see :mod:`.__main__`).
 """
 
-from ..trace.spill import (
-    ReplayReport,
-    SpillEntry,
-    SpillFile,
-    journal_path,
-    read_journal,
-    read_spill,
-    replay_spill,
-    write_spill,
-)
+from ..trace import spill as _spill
+from ..trace.spill import *  # noqa: F403
 
-__all__ = [
-    "ReplayReport",
-    "SpillEntry",
-    "SpillFile",
-    "journal_path",
-    "read_journal",
-    "read_spill",
-    "replay_spill",
-    "write_spill",
-]
+__all__ = _spill.__all__

@@ -11,8 +11,8 @@ import math
 import os
 import posixpath
 import re
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import IO, Any, Protocol, runtime_checkable
 from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
@@ -28,6 +28,7 @@ __all__ = [
     "flatten_params",
     "to_tracked_value",
     "record_nbytes",
+    "append_jsonl",
 ]
 
 _NAME_CHARS = re.compile(r"^[/\w.\- :]+$")
@@ -174,6 +175,18 @@ def record_nbytes(record: StepRecord) -> int:
         if isinstance(value, np.ndarray):
             total += value.nbytes
     return total
+
+
+def append_jsonl(
+    file: IO[bytes], encoder: msgspec.json.Encoder, records: Iterable[StepRecord]
+) -> None:
+    """Append ``records`` to ``file`` as JSON lines in one write, then flush."""
+    buf = bytearray()
+    for record in records:
+        encoder.encode_into(record, buf, -1)
+        buf += b"\n"
+    file.write(buf)
+    file.flush()
 
 
 def encode_value(obj: Any) -> Any:

@@ -24,7 +24,7 @@ import msgspec
 
 from .._checks import creatable_dir
 from ..events import EndStatus
-from .base import RunSpec, StepRecord, encode_value
+from .base import RunSpec, StepRecord, append_jsonl, encode_value
 
 __all__ = ["JsonlTracker", "RunInfo", "read_records"]
 
@@ -90,12 +90,7 @@ class JsonlTracker:
     def log(self, records: Sequence[StepRecord]) -> None:
         if self._metrics is None:
             raise RuntimeError("JsonlTracker.log: the run is not started")
-        buf = bytearray()
-        for record in records:
-            self._encoder.encode_into(record, buf, -1)
-            buf += b"\n"
-        self._metrics.write(buf)
-        self._metrics.flush()
+        append_jsonl(self._metrics, self._encoder, records)
 
     def finish(self, status: EndStatus) -> None:
         if self._metrics is None or self._info is None or self.run_dir is None:

@@ -37,7 +37,7 @@ import msgspec
 import numpy as np
 
 from ..events import EndStatus
-from .base import RunSpec, StepRecord, chunked, encode_value
+from .base import RunSpec, StepRecord, append_jsonl, chunked, encode_value
 from .subprocess import SubprocessTracker
 
 __all__ = ["MlflowTracker", "MlflowClientTracker", "STATUS_MAP"]
@@ -262,12 +262,7 @@ class MlflowClientTracker:
         if self._arrays is None:
             self._array_dir = tempfile.mkdtemp(prefix="recis_async_mlflow_")
             self._arrays = open(os.path.join(self._array_dir, "arrays.jsonl"), "ab")
-        buf = bytearray()
-        for record in records:
-            self._encoder.encode_into(record, buf, -1)
-            buf += b"\n"
-        self._arrays.write(buf)
-        self._arrays.flush()
+        append_jsonl(self._arrays, self._encoder, records)
 
     def _finish(self, status: EndStatus) -> None:
         if self._client is None or self.run_id is None:
