@@ -35,7 +35,7 @@ from .events import AfterStep
 
 __all__ = ["REDUCTIONS", "MetricAggregator", "Reduction", "check_reduction"]
 
-logger = logging.getLogger("recis_async.aggregate")
+logger = logging.getLogger(__name__)
 
 REDUCTIONS = ("mean", "sum", "max", "min", "last")
 """The reductions known by name; any callable is accepted too."""

@@ -41,7 +41,7 @@ from .subscription import Route, Subscription
 
 __all__ = ["HookBus", "Subscription"]
 
-logger = logging.getLogger("recis_async.bus")
+logger = logging.getLogger(__name__)
 
 E = TypeVar("E", bound=Event)
 F = TypeVar("F", bound=Callable[..., Any])

@@ -54,7 +54,7 @@ from .priority import Priority
 
 __all__ = ["Trainer", "TrainingArguments", "WindowedDataset"]
 
-logger = logging.getLogger("recis_async.trainer")
+logger = logging.getLogger(__name__)
 
 # What a rank offers at the step boundary; the maximum over ranks wins.
 _CONTINUE, _END_EPOCH, _STOP = 0, 1, 2

@@ -10,7 +10,7 @@ from .checkpoint import (
 )
 from .early_stopping import EarlyStoppingHook
 from .global_step_waiter import GlobalStepWaiterHook
-from .hash_table_filter import HashTableFilterHook
+from .hashtable_filter import HashTableFilterHook
 from .history import HistorySaverHook
 from .logger import LoggerHook
 from .logging_tensor import LoggingTensorHook

@@ -53,7 +53,7 @@ __all__ = [
     "restore_checkpoint",
 ]
 
-logger = logging.getLogger("recis_async.hooks.checkpoint")
+logger = logging.getLogger(__name__)
 
 CHECKPOINT_FORMAT = "recis_async.checkpoint/1"
 _FILE = re.compile(r"^checkpoint-(\d+)\.pt$")

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 __all__ = ["EarlyStoppingHook"]
 
-logger = logging.getLogger("recis_async.hooks.early_stopping")
+logger = logging.getLogger(__name__)
 
 _MODES = ("min", "max")
 _SOURCES = ("eval", "step")

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = ["GlobalStepWaiterHook", "StepSource"]
 
-logger = logging.getLogger("recis_async.hooks.global_step_waiter")
+logger = logging.getLogger(__name__)
 
 StepSource = Callable[[], int | None] | Callable[[], Awaitable[int | None]]
 """Returns the shared step (``None`` while unknown); sync sources run in a worker thread."""

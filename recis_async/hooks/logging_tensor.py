@@ -14,7 +14,7 @@ from ..hook import Hook
 
 __all__ = ["LoggingTensorHook"]
 
-logger = logging.getLogger("recis_async.hooks.logging_tensor")
+logger = logging.getLogger(__name__)
 
 _MAX_ITEMS = 8  # longer lists/arrays are shortened in the log line
 

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = ["NanTensorHook"]
 
-logger = logging.getLogger("recis_async.hooks.nan")
+logger = logging.getLogger(__name__)
 
 
 def _finite(value: Any) -> bool:

@@ -12,7 +12,7 @@ from ..hook import Hook
 
 __all__ = ["StepCounterHook"]
 
-logger = logging.getLogger("recis_async.hooks.step_counter")
+logger = logging.getLogger(__name__)
 
 
 class StepCounterHook(Hook):

@@ -8,8 +8,8 @@ admission / filter policies.
 from .builtin_policies import GlobalStepFilter, ReadOnly
 from .embedding import DynamicEmbedding, EmbeddingOption
 from .hashtable import EvictionPlan, HashTable, Initializer, attach_optimizer
-from .hashtable_hook import AdmitHook, FilterHook
 from .policy import AdmitPolicy, FilterPolicy
+from .policy_spec import AdmitHook, FilterHook
 from .registry import (
     DEFAULT_POLICIES,
     PolicyRegistry,

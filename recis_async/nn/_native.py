@@ -24,7 +24,7 @@ from pathlib import Path
 
 __all__ = ["Kernels", "cache_dir", "kernels", "load"]
 
-logger = logging.getLogger("recis_async.nn")
+logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("_slot_map.cpp")
 _FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17")

@@ -10,7 +10,7 @@ from torch import nn
 
 from .autograd import sum_bags
 from .hashtable import HashTable, Initializer
-from .hashtable_hook import AdmitHook, FilterHook
+from .policy_spec import AdmitHook, FilterHook
 from .registry import DEFAULT_POLICIES, PolicyRegistry
 
 __all__ = ["EmbeddingOption", "DynamicEmbedding"]

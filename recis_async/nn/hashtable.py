@@ -28,8 +28,8 @@ from torch import nn
 from . import _memory
 from .autograd import gather_rows
 from .free_slots import FreeSlots
-from .hashtable_hook import AdmitHook, FilterHook
 from .policy import AdmitPolicy, FilterPolicy
+from .policy_spec import AdmitHook, FilterHook
 from .registry import DEFAULT_POLICIES, PolicyRegistry
 from .slot_map import new_slot_map
 

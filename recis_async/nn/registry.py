@@ -16,8 +16,8 @@ from types import MappingProxyType
 from typing import Any, Final, TypeVar
 
 from .builtin_policies import GlobalStepFilter, ReadOnly
-from .hashtable_hook import AdmitHook, FilterHook
 from .policy import AdmitPolicy, FilterPolicy
+from .policy_spec import AdmitHook, FilterHook
 
 __all__ = ["PolicyRegistry", "DEFAULT_POLICIES", "register_admit_policy", "register_filter_policy"]
 

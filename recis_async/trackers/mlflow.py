@@ -42,7 +42,7 @@ from .subprocess import SubprocessTracker
 
 __all__ = ["MlflowTracker", "MlflowClientTracker", "STATUS_MAP"]
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 #: End.status -> MLflow run status.
 STATUS_MAP: Mapping[str, str] = MappingProxyType(
@@ -200,7 +200,7 @@ class MlflowClientTracker:
         for key, value in run.params.items():
             text = str(value)
             if len(text) > MAX_PARAM_VALUE_CHARS:
-                log.warning(
+                logger.warning(
                     "MlflowTracker: param %r is %d characters; MLflow keeps %d, the rest is cut",
                     key,
                     len(text),
@@ -209,7 +209,7 @@ class MlflowClientTracker:
                 text = text[:MAX_PARAM_VALUE_CHARS]
             if key in old_params:
                 if old_params[key] != text:
-                    log.warning(
+                    logger.warning(
                         "MlflowTracker: resumed run %s already has param %r=%r; "
                         "MLflow params are immutable, keeping it (new value %r not logged)",
                         run_id,

@@ -36,7 +36,7 @@ from .base import RunSpec, StepRecord, Tracker, encode_value, record_nbytes
 
 __all__ = ["TrackerService", "OnError", "check_settings"]
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 OnError = Literal["raise", "log", "disable"]
 _ON_ERROR = ("raise", "log", "disable")
@@ -254,7 +254,7 @@ class TrackerService:
                     await self._spill(batch)
                     self._clear_inflight()
                     log_failure(
-                        log,
+                        logger,
                         self._counts["errors"],
                         exc,
                         "%s: tracker.log failed; %d records spilled to %s",
@@ -277,7 +277,7 @@ class TrackerService:
             self._counts["errors"] += 1
             if self.on_error == "raise":
                 raise TrackerError(f"{self.name}: tracker.finish failed: {exc!r}") from exc
-            log.error("%s: tracker.finish failed", self.name, exc_info=exc)
+            logger.error("%s: tracker.finish failed", self.name, exc_info=exc)
 
     def _urgent(self) -> bool:
         """Send now rather than wait for more records."""
@@ -316,7 +316,7 @@ class TrackerService:
         if rest:
             await self._spill(rest)
         if self.on_error != "raise":
-            log.error(
+            logger.error(
                 "%s: tracker.%s failed; tracking is disabled, buffered records are in %s and "
                 "later records are dropped",
                 self.name,
@@ -329,7 +329,7 @@ class TrackerService:
             try:
                 await self._in_thread(self.tracker.finish, "failed")
             except Exception:
-                log.warning(
+                logger.warning(
                     "%s: tracker.finish after a failure also failed", self.name, exc_info=True
                 )
 
@@ -361,7 +361,7 @@ class TrackerService:
         # Our own limiter is held by an abandoned tracker call after a timeout; use the default.
         await anyio.to_thread.run_sync(write)
         self._counts["spilled"] += len(records)
-        log.warning("%s: %d tracker records written to %s", self.name, len(records), path)
+        logger.warning("%s: %d tracker records written to %s", self.name, len(records), path)
 
     async def aclose(self, deadline: float) -> None:
         """Deliver what is buffered, finish the run, and return by ``deadline``.

@@ -26,7 +26,7 @@ from .base import RunSpec, StepRecord, params_for_text
 
 __all__ = ["TensorBoardTracker"]
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 _UNSAFE = re.compile(r"[^\w.\-]+")
 
@@ -113,7 +113,7 @@ class TensorBoardTracker:
                     if value.size == 0:
                         if key not in self._warned_empty:
                             self._warned_empty.add(key)
-                            log.warning(
+                            logger.warning(
                                 "TensorBoardTracker: %r is an empty array at step %d; "
                                 "a histogram needs values; this and later empty ones are skipped",
                                 key,

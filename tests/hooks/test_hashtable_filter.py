@@ -33,7 +33,7 @@ async def train_step(bus: HookBus, hook: HashTableFilterHook, step: int, *lookup
 
 
 async def test_evicts_at_the_interval_with_the_exact_rule(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="recis_async.hooks.hash_table_filter")
+    caplog.set_level(logging.INFO, logger="recis_async.hooks.hashtable_filter")
     t = table(2)
     hook = HashTableFilterHook(3, tables=[t])
     seen: list[list[int]] = []
@@ -65,7 +65,7 @@ async def test_evicts_at_the_interval_with_the_exact_rule(caplog: pytest.LogCapt
 async def test_quiet_at_info_when_nothing_is_evicted(caplog: pytest.LogCaptureFixture) -> None:
     """Evictions that remove nothing, per-table counts and skipped requests are DEBUG only:
     at INFO a run that evicts nothing shows one summary line, whatever its length."""
-    caplog.set_level(logging.DEBUG, logger="recis_async.hooks.hash_table_filter")
+    caplog.set_level(logging.DEBUG, logger="recis_async.hooks.hashtable_filter")
     user, item = table(2, "user"), table(2, "item")
     hook = HashTableFilterHook(2, tables=[user, item])
     async with HookBus() as bus:

@@ -39,7 +39,7 @@ def test_a_failed_build_logs_one_line_and_leaves_no_file(
     broken.write_text("#!/bin/sh\necho 'x.cpp:1:1: error: no such thing' >&2\nexit 3\n")
     broken.chmod(0o755)
     monkeypatch.setenv("CXX", str(broken))
-    with caplog.at_level("WARNING", logger="recis_async.nn"):
+    with caplog.at_level("WARNING", logger="recis_async.nn._native"):
         assert _native.load() is None
     (record,) = caplog.records
     message = record.getMessage()
