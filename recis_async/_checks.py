@@ -10,6 +10,7 @@ import tempfile
 from typing import Any, cast
 
 __all__ = [
+    "stateful",
     "boolean",
     "creatable_dir",
     "dir_path",
@@ -36,6 +37,17 @@ def logger_or(owner: str, value: Any, default: str) -> logging.Logger:
     if not isinstance(value, logging.Logger | logging.LoggerAdapter):
         raise TypeError(f"{owner}(logger=...): expected a logging.Logger or None, got {value!r}")
     return cast(logging.Logger, value)
+
+
+def stateful(owner: str, field: str, value: Any, *, optional: bool) -> None:
+    """Refuse ``value`` unless it has ``state_dict()`` and ``load_state_dict()`` (or is ``None``
+    when ``optional``): a ``TypeError`` naming the owner and the field."""
+    if value is None and optional:
+        return
+    if not all(callable(getattr(value, m, None)) for m in ("state_dict", "load_state_dict")):
+        expected = "an object with state_dict() and load_state_dict()"
+        expected += " or None" if optional else ""
+        raise TypeError(f"{owner}({field}=...): expected {expected}, got {value!r}")
 
 
 def positive_int(owner: str, field: str, value: Any) -> int:

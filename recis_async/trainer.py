@@ -28,6 +28,7 @@ import torch
 from . import dist
 from .aggregate import MetricAggregator
 from .bus import HookBus
+from .checkpoint import restore_checkpoint
 from .collect import add_metric
 from .console import default_logging
 from .events import (
@@ -47,7 +48,7 @@ from .events import (
     WindowMode,
 )
 from .hook import Hook
-from .hooks.checkpoint import CheckpointSaverHook, restore_checkpoint
+from .hooks.checkpoint import CheckpointSaverHook
 from .hooks.logger import LoggerHook
 from .hooks.progress import ProgressBarHook
 from .priority import Priority

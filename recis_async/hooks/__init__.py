@@ -1,13 +1,15 @@
 """Built-in hooks.  Slow work (file writes, uploads, scans) runs in background services."""
 
-from ..errors import NanLossError
-from .checkpoint import (
-    CheckpointSaverHook,
+# The checkpoint file functions live in recis_async.checkpoint; they are re-exported here
+# because users import them from recis_async.hooks beside CheckpointSaverHook.
+from ..checkpoint import (
     latest_checkpoint,
     latest_checkpoint_step,
     list_checkpoints,
     restore_checkpoint,
 )
+from ..errors import NanLossError
+from .checkpoint import CheckpointSaverHook
 from .early_stopping import EarlyStoppingHook
 from .global_step_waiter import GlobalStepWaiterHook
 from .hashtable_filter import HashTableFilterHook

@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-import recis_async.hooks.checkpoint as checkpoint_module
+import recis_async.checkpoint.snapshot as snapshot_module
+import recis_async.checkpoint.writer as writer_module
 from recis_async import Hook, HookBus, HookError, Priority, Trainer, TrainingArguments, add_metric
+from recis_async.checkpoint import checkpoint_path
 from recis_async.events import (
     AfterLoadCheckpoint,
     AfterStep,
@@ -156,7 +158,7 @@ async def test_the_write_starts_on_the_snapshot_step(tmp_path: Path) -> None:
         await anyio.sleep(0.01)  # the writer service is waiting
         time.sleep(0.15)  # a long step
         await bus.publish(AfterStep(global_step=0, samples=6))
-        path = Path(checkpoint_module.checkpoint_path(str(tmp_path), 1))
+        path = Path(checkpoint_path(str(tmp_path), 1))
         for _ in range(500):  # blocking: the loop gets no pass while we wait
             if path.exists():
                 break
@@ -240,7 +242,7 @@ async def test_the_snapshot_copy_is_split_over_threads_and_done_on_the_step(
     """With every tensor worth a thread, the copies run in several threads, all finished
     before the publish returns (a later hook zeroing the weights cannot reach the file);
     a tensor met twice stays one tensor and a strided view keeps its values."""
-    monkeypatch.setattr(checkpoint_module, "_COPY_MIN_BYTES", 1)
+    monkeypatch.setattr(snapshot_module, "_COPY_MIN_BYTES", 1)
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     copying: set[str] = set()
     real_copy = torch.Tensor.copy_
@@ -355,7 +357,7 @@ async def test_the_writer_thread_runs_reniced(
         )
         real_save(obj, f)
 
-    monkeypatch.setattr(checkpoint_module.torch, "save", recording_save)
+    monkeypatch.setattr(writer_module.torch, "save", recording_save)
     base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     model = Net()
     for nice, expected in ((10, min(19, base + 10)), (None, base)):
@@ -506,7 +508,7 @@ async def test_a_write_slower_than_flush_timeout_is_reported_not_hung(
         time.sleep(1.0)
         real_save(obj, f)
 
-    monkeypatch.setattr(checkpoint_module.torch, "save", slow_save)
+    monkeypatch.setattr(writer_module.torch, "save", slow_save)
     model, opt, sched = parts()
     with anyio.fail_after(5):
         with pytest.raises(HookError, match=r"step \[1\] not confirmed written"):
