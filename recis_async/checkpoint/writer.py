@@ -5,7 +5,6 @@ waits; a newer one replaces it (it holds everything the older one had)."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
@@ -19,6 +18,7 @@ import anyio
 import anyio.to_thread
 import torch
 
+from .._files import atomic_path
 from .files import TMP_MARK, TMP_PREFIX, list_checkpoints
 from .snapshot import Buffers, Layout, Snapshot, allocate
 
@@ -211,21 +211,15 @@ class CheckpointWriter:
         )
         sink: _ErrorKeepingFile | None = None
         try:
-            with open(tmp, "wb") as f:
+            with atomic_path(snap.path, tmp) as path, open(path, "wb") as f:
                 sink = _ErrorKeepingFile(f)
                 torch.save(snap.payload, cast(BinaryIO, sink))  # duck-typed file
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, snap.path)
         except BaseException as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
             cause = exc if sink is None or sink.error is None else sink.error
             raise RuntimeError(
                 f"cannot write the checkpoint of step {snap.step} to {snap.path}: "
                 f"{type(cause).__name__}: {cause}"
             ) from cause
-        _fsync_dir(self.output_dir)
         self._prune()
 
     def _prune(self) -> None:
@@ -270,17 +264,3 @@ def _lower_priority(nice: int | None) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
     except OSError as exc:
         logger.debug("could not renice the checkpoint writer: %s", exc)
-
-
-def _fsync_dir(path: str) -> None:
-    """Make the rename durable (POSIX); a no-op where directories cannot be opened."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

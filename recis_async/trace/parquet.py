@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 
 from .. import dist
 from .._checks import dir_path
+from .._files import fsync_path
 from ..errors import SinkError
 from .base import Attempt, parse_partition
 from .buffer import Batch
@@ -148,7 +149,7 @@ class ParquetSink:
                 # concurrent writer); hand them back so RSS tracks the buffered data
                 pa.default_memory_pool().release_unused()
                 if self._fsync:
-                    _fsync_path(tmp)
+                    fsync_path(tmp)
                 final = self._publish(tmp, rank, attempt)
             finally:
                 tmp.unlink(missing_ok=True)
@@ -160,7 +161,7 @@ class ParquetSink:
             ) from None
         if self._fsync:
             try:
-                _fsync_path(directory)
+                fsync_path(directory)
             except OSError as exc:  # the file is visible already; durability is best effort
                 logger.warning(
                     "%s: fsync of %s failed after publishing: %s", self.name, directory, exc
@@ -218,11 +219,3 @@ def _published(token: str) -> bool:
         return path != "" and os.stat(path).st_ino == int(inode)
     except (OSError, ValueError):
         return False
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

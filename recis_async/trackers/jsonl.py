@@ -23,6 +23,7 @@ from typing import IO, Any
 import msgspec
 
 from .._checks import creatable_dir
+from .._files import atomic_path
 from ..events import EndStatus
 from .base import RunSpec, StepRecord, append_jsonl, encode_value
 
@@ -104,9 +105,5 @@ class JsonlTracker:
 
     @staticmethod
     def _write_atomic(path: Path, data: Any) -> None:
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        with atomic_path(path, path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")) as tmp:
+            tmp.write_bytes(data)

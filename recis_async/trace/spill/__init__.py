@@ -38,6 +38,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from ..._files import atomic_path
 from ..base import Attempt, Sink
 from ..buffer import Batch
 
@@ -119,30 +120,27 @@ def write_spill(
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", prefix)[:60]
     name = f"{slug}-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}{SUFFIX}"
     final = folder / name
-    tmp = folder / f".{name}.tmp"
-    try:
-        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-            for entry in entries:
-                batch = entry.batch
-                if batch.fields != first.fields or batch.types != first.types:
-                    raise ValueError("write_spill: every batch must have the same fields and types")
-                table = batch.to_arrow().combine_chunks()
-                record = table.to_batches()[0] if table.num_rows else None
-                if record is None:
-                    continue
-                writer.write_batch(
-                    record.replace_schema_metadata(None),
-                    custom_metadata={
-                        "seq": str(batch.seq),
-                        "rows": str(batch.rows),
-                        "in_doubt": entry.in_doubt or "",
-                    },
-                )
-        _fsync(tmp)
-        os.rename(tmp, final)
-        _fsync(folder)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with (
+        atomic_path(final, folder / f".{name}.tmp") as tmp,
+        pa.OSFile(str(tmp), "wb") as sink,
+        pa.ipc.new_stream(sink, schema) as writer,
+    ):
+        for entry in entries:
+            batch = entry.batch
+            if batch.fields != first.fields or batch.types != first.types:
+                raise ValueError("write_spill: every batch must have the same fields and types")
+            table = batch.to_arrow().combine_chunks()
+            record = table.to_batches()[0] if table.num_rows else None
+            if record is None:
+                continue
+            writer.write_batch(
+                record.replace_schema_metadata(None),
+                custom_metadata={
+                    "seq": str(batch.seq),
+                    "rows": str(batch.rows),
+                    "in_doubt": entry.in_doubt or "",
+                },
+            )
     return final
 
 
@@ -269,11 +267,3 @@ def _append(journal: Path, record: dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
