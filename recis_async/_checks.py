@@ -7,7 +7,9 @@ import logging
 import math
 import os
 import tempfile
-from typing import Any, cast
+from typing import Any, cast, get_args
+
+from .errors import OnError
 
 __all__ = [
     "stateful",
@@ -16,6 +18,7 @@ __all__ = [
     "dir_path",
     "exactly_one",
     "logger_or",
+    "on_error",
     "positive_int",
     "positive_number",
     "writable_dir",
@@ -37,6 +40,15 @@ def logger_or(owner: str, value: Any, default: str) -> logging.Logger:
     if not isinstance(value, logging.Logger | logging.LoggerAdapter):
         raise TypeError(f"{owner}(logger=...): expected a logging.Logger or None, got {value!r}")
     return cast(logging.Logger, value)
+
+
+def on_error(owner: str, field: str, value: Any) -> OnError:
+    """``value`` if it is one of the :data:`~recis_async.errors.OnError` policies."""
+    if value not in get_args(OnError):
+        raise ValueError(
+            f"{owner}({field}=...): expected one of 'raise', 'log', 'disable', got {value!r}"
+        )
+    return cast(OnError, value)
 
 
 def stateful(owner: str, field: str, value: Any, *, optional: bool) -> None:

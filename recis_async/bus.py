@@ -16,7 +16,6 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-import signal
 import threading
 from collections.abc import Callable, Coroutine, Iterator, Mapping
 from contextvars import Token
@@ -26,18 +25,21 @@ from typing import Any, TypeVar, cast
 
 import anyio
 import msgspec
-from anyio.abc import TaskGroup, TaskStatus
+from anyio.abc import TaskGroup
 
-from . import dist
+from . import collect, dist, routes
 from ._checks import boolean, positive_number
-from .collect import StepCollector, _current
+from ._checks import on_error as check_on_error
+from .collect import StepCollector
 from .console import TRACEBACKS_LOGGED, log_failure
-from .errors import HookError
-from .events import LIFECYCLE, AfterStep, BeforeStep, End, Error, Event, OutOfData, method_name
-from .hook import RESERVED_NAMES, Hook, OnError
+from .errors import HookError, OnError
+from .events import LIFECYCLE, AfterStep, End, Error, Event, method_name
+from .hook import RESERVED_NAMES, Hook
 from .priority import Priority, priority_value
+from .routes import KIND_AFTER_STEP, KIND_BEFORE_STEP, KIND_OUT_OF_DATA, Route
 from .service import Service, yield_to_services
-from .subscription import Route, Subscription
+from .stopping import StopSignals, end_status, preempted_exit
+from .subscription import Filters, Subscription, filters
 
 __all__ = ["HookBus", "Subscription"]
 
@@ -46,7 +48,6 @@ logger = logging.getLogger(__name__)
 E = TypeVar("E", bound=Event)
 F = TypeVar("F", bound=Callable[..., Any])
 
-_ON_ERROR = ("raise", "log", "disable")
 # While publishing, hand the loop to background services at most this often.  A loop pass
 # right after a model's compute costs 30-200 us (cold caches, a syscall), so yielding at
 # every ~3 ms step cost ~1 % of training; every 100 ms is ample for batch hand-overs (a
@@ -54,7 +55,6 @@ _ON_ERROR = ("raise", "log", "disable")
 # (benchmarks/bench_trace.py).
 _YIELD_EVERY_S = 0.1
 _CLOSE_GRACE_S = 5.0  # a service that ignores its deadline is abandoned this much later
-_KIND_PLAIN, _KIND_BEFORE_STEP, _KIND_AFTER_STEP, _KIND_OUT_OF_DATA, _KIND_END = range(5)
 
 
 class HookBus:
@@ -74,7 +74,7 @@ class HookBus:
         self.flush_timeout = positive_number("HookBus", "flush_timeout", flush_timeout)
         self._handle_signals = boolean("HookBus", "handle_signals", handle_signals)
         self._subs: list[Subscription] = []
-        self._routes: dict[type, Route] = {}
+        self._routes: dict[type, Route] = {}  # built by routes.build, cleared on (un)subscribe
         self._seq = 0
         self._hooks: list[Hook] = []
         self._services: list[Service] = []
@@ -86,11 +86,9 @@ class HookBus:
         self._collector = StepCollector()
         self._token: Token[StepCollector | None] | None = None
         self._stop_reason: str | None = None
-        self._signal: int | None = None  # the first stop signal received
-        self._hurry = False  # a second signal: close without waiting
+        self._signals = StopSignals(self.flush_timeout, self.request_stop, self._hurry_up)
         self._close_scope: anyio.CancelScope | None = None
         self._service_scopes: list[anyio.CancelScope] = []
-        self._signal_scope: anyio.CancelScope | None = None
         self._last_yield = 0.0
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -103,9 +101,9 @@ class HookBus:
         await tg.__aenter__()
         self._tg = tg
         self._state = "open"
-        self._token = _current.set(self._collector)
+        self._token = collect.bind(self._collector)
         if self._handle_signals and threading.current_thread() is threading.main_thread():
-            await tg.start(self._watch_signals, name="recis_async:signals")
+            await tg.start(self._signals.watch, name="recis_async:signals")
         for service in self._services:
             tg.start_soon(self._run_service, service, name=f"service:{service.name}")
         return self
@@ -123,8 +121,7 @@ class HookBus:
         finally:
             for scope in self._service_scopes:  # every service returned already, normally
                 scope.cancel()
-            if self._signal_scope is not None:
-                self._signal_scope.cancel()
+            self._signals.stop()
             tg.cancel_scope.cancel()
             if isinstance(exc, anyio.get_cancelled_exc_class()):
                 # Our own cancel scope (a second signal) swallows its cancellation here; an
@@ -134,19 +131,16 @@ class HookBus:
                 swallowed = False
                 await tg.__aexit__(None, None, None)
             if self._token is not None:
-                _current.reset(self._token)
+                collect.unbind(self._token)
                 self._token = None
         body_failed = exc is not None and not swallowed
-        preempted = self._signal is not None and not (
-            body_failed and not isinstance(exc, anyio.get_cancelled_exc_class())
-        )
+        exit_ = preempted_exit(self._signals.signum, exc if body_failed else None)
         # The body's exception, or the signal's exit status, outranks errors of the close.
-        raised = body_failed or preempted
+        raised = body_failed or exit_ is not None
         for extra in errors[0 if raised else 1 :]:
             logger.error("failed while closing the bus: %s", extra)
-        if preempted:
-            assert self._signal is not None
-            raise SystemExit(128 + self._signal)
+        if exit_ is not None:
+            raise exit_
         if errors and not body_failed:
             raise errors[0]
         return swallowed
@@ -169,7 +163,7 @@ class HookBus:
             lost, event_name = self._unawaited_error("leaving the bus")
             errors.append(HookError(str(lost), subscriber="publish", event=event_name))
         with anyio.CancelScope(shield=True):
-            deadline = anyio.current_time() + (0.0 if self._hurry else self.flush_timeout)
+            deadline = anyio.current_time() + (0.0 if self._signals.hurry else self.flush_timeout)
             if not self._end_published:
                 await self._publish_end(exc, deadline, errors)
             for service in reversed(self._services):
@@ -185,16 +179,8 @@ class HookBus:
         self, exc: BaseException | None, deadline: float, errors: list[HookError]
     ) -> None:
         """``Error`` (if the body raised) then ``End``, both under the close deadline."""
-        cancelled = isinstance(exc, anyio.get_cancelled_exc_class())
-        if self._signal is not None and (exc is None or cancelled):
-            status = "preempted"
-        elif exc is None:
-            status = "ok"
-        elif cancelled:
-            status = "cancelled"
-        else:
-            status = "failed"
-        end = End(status=status)  # type: ignore[arg-type]
+        status = end_status(exc, self._signals.signum)
+        end = End(status=status)
         reached: list[Subscription] = []  # the End subscribers the dispatch got to
         with anyio.CancelScope(deadline=deadline) as scope:
             if status == "failed":
@@ -230,7 +216,7 @@ class HookBus:
         self, service: Service, deadline: float, errors: list[HookError]
     ) -> None:
         grace = _CLOSE_GRACE_S
-        if self._hurry:
+        if self._signals.hurry:
             deadline, grace = anyio.current_time(), 0.0
         with anyio.CancelScope(deadline=deadline + grace) as scope:
             self._close_scope = scope
@@ -247,7 +233,7 @@ class HookBus:
         if scope.cancelled_caught:
             why = (
                 "a second stop signal arrived"
-                if self._hurry
+                if self._signals.hurry
                 else f"it did not close within flush_timeout={self.flush_timeout}s "
                 f"(+{_CLOSE_GRACE_S}s grace)"
             )
@@ -255,37 +241,12 @@ class HookBus:
                 HookError(f"service {service.name!r} was cancelled: {why}", subscriber=service.name)
             )
 
-    async def _watch_signals(self, *, task_status: TaskStatus[None]) -> None:
-        """First SIGTERM/SIGINT: stop at the next step boundary; second: close at once.
-
-        Shielded, so cancelling the body does not end it: it keeps the handlers installed
-        until close is done (else a third SIGINT would raise ``KeyboardInterrupt`` and a
-        SIGTERM would kill the process in the middle of spilling)."""
-        with (
-            anyio.CancelScope(shield=True) as scope,
-            anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals,
-        ):
-            self._signal_scope = scope
-            task_status.started()
-            async for signum in signals:
-                if self._hurry:
-                    continue  # closing at once already
-                if self._signal is None:
-                    self._signal = int(signum)
-                    logger.warning(
-                        "%s received: stopping at the next step boundary and draining "
-                        "(flush_timeout=%ss); send it again to close at once",
-                        signal.Signals(signum).name,
-                        self.flush_timeout,
-                    )
-                    self.request_stop(f"preempted by {signal.Signals(signum).name}")
-                    continue
-                logger.warning("second stop signal: closing at once, spilling what is left")
-                self._hurry = True
-                if self._state == "open" and self._tg is not None:
-                    self._tg.cancel_scope.cancel()  # cancels the body (not this shielded task)
-                elif self._close_scope is not None:
-                    self._close_scope.deadline = -math.inf
+    def _hurry_up(self) -> None:
+        """A second stop signal: cancel the body, or cut a close under way short."""
+        if self._state == "open" and self._tg is not None:
+            self._tg.cancel_scope.cancel()  # cancels the body (not the shielded watcher)
+        elif self._close_scope is not None:
+            self._close_scope.deadline = -math.inf
 
     async def _run_service(self, service: Service) -> None:
         """Run a service shielded from outer cancellation: when the body is cancelled the
@@ -328,7 +289,7 @@ class HookBus:
         if hook.rank_zero_only and self.rank != 0:
             return
         priority = priority_value(hook.priority, field=f"{type(hook).__name__}.priority")
-        on_error = _check_on_error(hook.on_error, f"{type(hook).__name__}.on_error")
+        on_error = check_on_error(type(hook).__name__, "on_error", hook.on_error)
         cls = type(hook)
         added: list[Subscription] = []
         for event_type in _event_types():
@@ -339,15 +300,7 @@ class HookBus:
             if impl is None or impl is getattr(Hook, name, None) or not callable(impl):
                 continue
             sub = self._add(
-                event_type,
-                getattr(hook, name),
-                f"{cls.__name__}.{name}",
-                priority,
-                None,
-                None,
-                None,
-                None,
-                on_error,
+                event_type, getattr(hook, name), f"{cls.__name__}.{name}", priority, None, on_error
             )
             added.append(sub)
         self._hooks.append(hook)
@@ -398,31 +351,13 @@ class HookBus:
             )
         if not callable(fn):
             raise TypeError(f"subscribe(fn=...): expected a callable, got {fn!r}")
-        for field, value in (("every", every), ("once", once)):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value <= 0
-            ):
-                raise ValueError(f"subscribe({field}=...): expected a positive int, got {value!r}")
-        if every_seconds is not None and (
-            isinstance(every_seconds, bool)
-            or not isinstance(every_seconds, int | float)
-            or not every_seconds > 0
-        ):
-            raise ValueError(
-                f"subscribe(every_seconds=...): expected a positive number, got {every_seconds!r}"
-            )
-        if when is not None and not callable(when):
-            raise TypeError(f"subscribe(when=...): expected a callable, got {when!r}")
         return self._add(
             event_type,
             fn,
             _callable_name(fn),
             priority_value(priority, field="subscribe(priority=...)"),
-            every,
-            once,
-            None if every_seconds is None else float(every_seconds),
-            when,
-            _check_on_error(on_error, "subscribe(on_error=...)"),
+            filters("subscribe", every, once, every_seconds, when),
+            check_on_error("subscribe", "on_error", on_error),
         )
 
     def on(
@@ -459,60 +394,34 @@ class HookBus:
         fn: Callable[..., Any],
         name: str,
         priority: int,
-        every: int | None,
-        once: int | None,
-        every_seconds: float | None,
-        when: Callable[[Any], bool] | None,
+        filters: Filters | None,
         on_error: OnError,
     ) -> Subscription:
         if self._state in ("closing", "closed"):
             raise RuntimeError("subscribe(): the bus is closed")
         self._seq += 1
-        sub = Subscription(
-            self,
-            event_type,
-            fn,
-            name,
-            priority,
-            self._seq,
-            every,
-            once,
-            every_seconds,
-            when,
-            on_error,
-        )
+        sub = Subscription(self, event_type, fn, name, priority, self._seq, filters, on_error)
         self._subs.append(sub)
         self._routes.clear()
         return sub
 
-    def _remove(self, sub: Subscription) -> None:
-        try:
-            self._subs.remove(sub)
-        except ValueError:
+    def unsubscribe(self, subscription: Subscription) -> None:
+        """Stop calling ``subscription``; idempotent (``Subscription.remove()`` calls it)."""
+        if not isinstance(subscription, Subscription):
+            raise TypeError(
+                f"unsubscribe(subscription=...): expected a Subscription, got {subscription!r}"
+            )
+        if not subscription.active:
             return
+        subscription.active = False
+        try:
+            self._subs.remove(subscription)
+        except ValueError:
+            return  # another bus's subscription: nothing of it is here
         self._routes.clear()
 
     def _route(self, event_type: type) -> Route:
-        if not (isinstance(event_type, type) and issubclass(event_type, Event)):
-            raise TypeError(
-                f"publish(event=...): expected an Event instance, got {event_type.__name__}"
-            )
-        subs = sorted(
-            (s for s in self._subs if issubclass(event_type, s.event_type)),
-            key=lambda s: (s.priority, s.seq),
-        )
-        if issubclass(event_type, BeforeStep):
-            kind = _KIND_BEFORE_STEP
-        elif issubclass(event_type, AfterStep):
-            kind = _KIND_AFTER_STEP
-        elif issubclass(event_type, OutOfData):
-            kind = _KIND_OUT_OF_DATA
-        elif issubclass(event_type, End):
-            kind = _KIND_END
-        else:
-            kind = _KIND_PLAIN
-        route = self._routes[event_type] = Route(subs, kind)
-        return route
+        return routes.build(self._routes, event_type, self._subs)
 
     # ------------------------------------------------------------------ publishing
     def publish(self, event: Event) -> Coroutine[Any, Any, None]:
@@ -554,12 +463,12 @@ class HookBus:
         route = self._routes.get(type(event)) or self._route(type(event))
         kind = route.kind
         if kind:
-            if kind == _KIND_AFTER_STEP:
+            if kind == KIND_AFTER_STEP:
                 if self._collector.pending:
                     event = self._with_collected(cast(AfterStep, event))
-            elif kind == _KIND_BEFORE_STEP:
+            elif kind == KIND_BEFORE_STEP:
                 self._collector.begin_step(event.is_train)
-            elif kind == _KIND_OUT_OF_DATA:
+            elif kind == KIND_OUT_OF_DATA:
                 self._collector.take()  # the step did not happen: drop what it collected
             else:  # End: every subscriber receives it, even when one fails
                 if self._end_published:
@@ -770,12 +679,6 @@ def _outputs(hook: Hook) -> dict[str, str]:
     except Exception as exc:
         logger.warning("%r.outputs() failed: %s: %s", hook, type(exc).__name__, exc)
         return {}
-
-
-def _check_on_error(value: object, field: str) -> OnError:
-    if value not in _ON_ERROR:
-        raise ValueError(f"{field}: expected one of 'raise', 'log', 'disable', got {value!r}")
-    return cast(OnError, value)
 
 
 def _callable_name(fn: Callable[..., Any]) -> str:

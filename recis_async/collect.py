@@ -8,7 +8,7 @@ next.  There is no module-level mutable state: the RecIS global trace/metric map
 
 from __future__ import annotations
 
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from numbers import Number
 from typing import Any
 
@@ -17,7 +17,15 @@ import torch
 
 from .aggregate import Reduction, check_reduction
 
-__all__ = ["StepCollector", "add_metric", "add_to_ml_tracker", "add_to_trace", "current_collector"]
+__all__ = [
+    "StepCollector",
+    "add_metric",
+    "add_to_ml_tracker",
+    "add_to_trace",
+    "bind",
+    "current_collector",
+    "unbind",
+]
 
 
 class StepCollector:
@@ -52,6 +60,17 @@ class StepCollector:
 
 
 _current: ContextVar[StepCollector | None] = ContextVar("recis_async_collector", default=None)
+
+
+def bind(collector: StepCollector) -> Token[StepCollector | None]:
+    """Make ``collector`` the one ``add_metric`` and friends write to in this context (the
+    bus calls it when entered); :func:`unbind` with the token restores the previous one."""
+    return _current.set(collector)
+
+
+def unbind(token: Token[StepCollector | None]) -> None:
+    """Undo the :func:`bind` that returned ``token`` (the bus calls it when left)."""
+    _current.reset(token)
 
 
 def current_collector(caller: str) -> StepCollector:

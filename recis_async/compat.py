@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from .errors import OnError
 from .events import (
     AfterBackward,
     AfterData,
@@ -64,7 +65,7 @@ from .events import (
     Start,
     WindowMode,
 )
-from .hook import Hook, OnError
+from .hook import Hook
 from .priority import Priority, priority_value
 
 if TYPE_CHECKING:

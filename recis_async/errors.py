@@ -8,15 +8,23 @@ had before the family existed (``RuntimeError``, ``FloatingPointError``), so exi
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 __all__ = [
     "HookError",
     "NanLossError",
+    "OnError",
     "RecisAsyncError",
     "SinkError",
     "TraceDeliveryError",
     "TrackerError",
 ]
+
+
+#: What a subscriber's (or a background job's) failure does: ``"raise"`` it as
+#: :class:`HookError` at the publish (or the next one, for background work), ``"log"`` it and
+#: go on, or ``"disable"``: log it once and stop calling the failing part.
+OnError = Literal["raise", "log", "disable"]
 
 
 class RecisAsyncError(Exception):

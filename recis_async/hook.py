@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar
 
+from .errors import OnError
 from .events import (
     AfterBackward,
     AfterData,
@@ -28,9 +29,7 @@ from .priority import Priority
 if TYPE_CHECKING:
     from .bus import HookBus
 
-__all__ = ["Hook", "OnError"]
-
-OnError = Literal["raise", "log", "disable"]
+__all__ = ["Hook"]
 
 
 class Hook:

@@ -1,5 +1,4 @@
-"""Subscriptions: one subscriber with its order key, filters and counters, and the cached
-per-event-type dispatch rows the bus iterates when it publishes."""
+"""Subscriptions: one subscriber with its order key, filters and counters."""
 
 from __future__ import annotations
 
@@ -8,14 +7,60 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
+from ._checks import positive_int, positive_number
+from .errors import OnError
 from .events import Event
-from .hook import OnError
 from .priority import priority_label
 
 if TYPE_CHECKING:
     from .bus import HookBus
 
-__all__ = ["Subscription"]
+__all__ = ["Filters", "Subscription", "filters"]
+
+
+class Filters(msgspec.Struct, frozen=True, kw_only=True):
+    """Which occurrences of its event a subscriber is called for; all given must pass.
+
+    Occurrences are counted per subscriber, 1-based: ``every=3`` fires on the 3rd, 6th, ...;
+    ``once=2`` only on the 2nd (then the subscription removes itself); ``every_seconds`` at
+    most once per interval (the first occurrence fires); ``when(event)`` must return true.
+    Build one with :func:`filters`, which checks the values.
+    """
+
+    every: int | None = None
+    once: int | None = None
+    every_seconds: float | None = None
+    when: Callable[[Any], bool] | None = None
+
+
+def filters(
+    caller: str,
+    every: int | None = None,
+    once: int | None = None,
+    every_seconds: float | None = None,
+    when: Callable[[Any], bool] | None = None,
+) -> Filters | None:
+    """Checked :class:`Filters`, or ``None`` when none is given (the subscriber is called for
+    every occurrence, with no counting on the publish path).
+
+    Raises:
+        ValueError: ``every``/``once`` not a positive int, ``every_seconds`` not a positive
+            number; the message names ``caller`` and the argument.
+        TypeError: ``when`` not callable.
+    """
+    if every is None and once is None and every_seconds is None and when is None:
+        return None
+    if every is not None:
+        positive_int(caller, "every", every)
+    if once is not None:
+        positive_int(caller, "once", once)
+    if every_seconds is not None:
+        every_seconds = positive_number(caller, "every_seconds", every_seconds)
+    if when is not None and not callable(when):
+        raise TypeError(f"{caller}(when=...): expected a callable, got {when!r}")
+    return Filters(every=every, once=once, every_seconds=every_seconds, when=when)
 
 
 class Subscription:
@@ -32,20 +77,17 @@ class Subscription:
         "count",
         "errors",
         "event_type",
-        "every",
-        "every_seconds",
         "filtered",
+        "filters",
         "fn",
         "is_async",
         "last_fired",
         "max_s",
         "name",
         "on_error",
-        "once",
         "priority",
         "seq",
         "total_s",
-        "when",
     )
 
     def __init__(
@@ -56,10 +98,7 @@ class Subscription:
         name: str,
         priority: int,
         seq: int,
-        every: int | None,
-        once: int | None,
-        every_seconds: float | None,
-        when: Callable[[Any], bool] | None,
+        filters: Filters | None,
         on_error: OnError,
     ) -> None:
         self._bus = bus
@@ -69,14 +108,9 @@ class Subscription:
         self.priority = priority
         self.seq = seq
         self.is_async = _is_async_callable(fn)
-        self.every = every
-        self.once = once
-        self.every_seconds = every_seconds
-        self.when = when
+        self.filters = filters
         self.on_error = on_error
-        self.filtered = not (
-            every is None and once is None and every_seconds is None and when is None
-        )
+        self.filtered = filters is not None
         self.active = True
         self.count = 0
         self.last_fired = -math.inf
@@ -89,39 +123,41 @@ class Subscription:
         """Count this occurrence (1-based) and apply every filter; all must pass."""
         self.count += 1
         n = self.count
-        if self.every is not None and n % self.every:
+        f = self.filters
+        if f is None:
+            return True
+        if f.every is not None and n % f.every:
             return False
-        if self.once is not None:
-            if n != self.once:
+        if f.once is not None:
+            if n != f.once:
                 return False
             self.remove()  # fires once, never again
-        if self.when is not None and not self.when(event):
+        if f.when is not None and not f.when(event):
             return False
-        if self.every_seconds is not None:
-            if now - self.last_fired < self.every_seconds:
+        if f.every_seconds is not None:
+            if now - self.last_fired < f.every_seconds:
                 return False
             self.last_fired = now
         return True
 
     def remove(self) -> None:
-        """Unsubscribe; calling it again does nothing."""
-        if self.active:
-            self.active = False
-            self._bus._remove(self)
+        """Unsubscribe (``bus.unsubscribe(self)``); calling it again does nothing."""
+        self._bus.unsubscribe(self)
 
     def describe(self, event_type: type[Event]) -> str:
         """One line: name, priority, filters, and the base class it came through."""
-        filters = [
+        f = self.filters or Filters()
+        shown = [
             f"{k}={v!r}"
             for k, v in (
-                ("every", self.every),
-                ("once", self.once),
-                ("every_seconds", self.every_seconds),
-                ("when", getattr(self.when, "__name__", self.when)),
+                ("every", f.every),
+                ("once", f.once),
+                ("every_seconds", f.every_seconds),
+                ("when", getattr(f.when, "__name__", f.when)),
             )
             if v is not None
         ]
-        parts = [self.name, f"priority={priority_label(self.priority)}", *filters]
+        parts = [self.name, f"priority={priority_label(self.priority)}", *shown]
         if self.on_error != "raise":
             parts.append(f"on_error={self.on_error}")
         if self.event_type is not event_type:
@@ -136,20 +172,6 @@ class Subscription:
 
     def __repr__(self) -> str:
         return f"<Subscription {self.name} on {self.event_type.__name__}>"
-
-
-Entry = tuple["Subscription", Callable[[Any], Any], bool, bool]
-
-
-class Route:
-    """Cached dispatch for one concrete event type: ``(sub, fn, is_async, filtered)`` rows,
-    unpacked in the loop so the hot path loads no attribute it does not need."""
-
-    __slots__ = ("entries", "kind")
-
-    def __init__(self, subs: list[Subscription], kind: int) -> None:
-        self.entries: tuple[Entry, ...] = tuple((s, s.fn, s.is_async, s.filtered) for s in subs)
-        self.kind = kind
 
 
 def _is_async_callable(fn: Callable[..., Any]) -> bool:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, TypeVar
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ..console import log_failure
+from ..errors import OnError
 
 __all__ = ["JobQueue"]
 
@@ -33,7 +34,7 @@ class JobQueue(Generic[T]):
         handle: Callable[[T], Awaitable[None]],
         *,
         capacity: int = 2,
-        on_error: Literal["raise", "log", "disable"] = "raise",
+        on_error: OnError = "raise",
     ) -> None:
         self.name = name
         self._handle = handle

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..errors import OnError
 from ..events import AfterEval, AfterStep, End, Start
-from ..hook import Hook, OnError
+from ..hook import Hook
 from ..trackers import JsonlTracker, RunSpec, StepRecord, Tracker, TrackerService
 from ..trackers.base import (
     RECORD_OVERHEAD,

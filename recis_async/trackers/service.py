@@ -24,22 +24,21 @@ import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 import msgspec
 
+from .._checks import on_error as check_on_error
 from ..console import log_failure
-from ..errors import TrackerError
+from ..errors import OnError, TrackerError
 from ..events import EndStatus
 from .base import RunSpec, StepRecord, Tracker, encode_value, record_nbytes
 
-__all__ = ["TrackerService", "OnError", "check_settings"]
+__all__ = ["TrackerService", "check_settings"]
 
 logger = logging.getLogger(__name__)
 
-OnError = Literal["raise", "log", "disable"]
-_ON_ERROR = ("raise", "log", "disable")
 _CALL_WAIT_S = 1.0  # how long close waits for an abandoned tracker.log call to end
 
 
@@ -57,10 +56,7 @@ def check_settings(
         or not flush_interval >= 0
     ):
         raise ValueError(f"{owner}.flush_interval: expected seconds >= 0, got {flush_interval!r}")
-    if on_error not in _ON_ERROR:
-        raise ValueError(
-            f"{owner}.on_error: expected one of {', '.join(_ON_ERROR)}, got {on_error!r}"
-        )
+    check_on_error(owner, "on_error", on_error)
 
 
 class _Call:

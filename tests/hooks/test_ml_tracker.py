@@ -342,7 +342,9 @@ def test_constructor_validation(tmp_path: Path) -> None:
         MLTrackerHook("p", "n", {}, tracker=tracker, max_buffer_bytes=0)
     with pytest.raises(ValueError, match="flush_interval: expected seconds >= 0, got -1"):
         MLTrackerHook("p", "n", {}, tracker=tracker, flush_interval=-1)
-    with pytest.raises(ValueError, match="on_error: expected one of raise, log, disable"):
+    with pytest.raises(
+        ValueError, match=r"on_error=...\): expected one of 'raise', 'log', 'disable'"
+    ):
         MLTrackerHook("p", "n", {}, tracker=tracker, on_error="ignore")  # type: ignore[arg-type]
 
 

@@ -247,7 +247,9 @@ def test_constructor_validates(tmp_path: Path) -> None:
         TrackerService(tracker, run, max_buffer_bytes=0)
     with pytest.raises(ValueError, match="flush_interval: expected seconds >= 0, got -1"):
         TrackerService(tracker, run, flush_interval=-1)
-    with pytest.raises(ValueError, match="on_error: expected one of raise, log, disable, got 'x'"):
+    with pytest.raises(
+        ValueError, match=r"on_error=...\): expected one of 'raise', 'log', 'disable', got 'x'"
+    ):
         TrackerService(tracker, run, on_error="x")  # type: ignore[arg-type]
 
 

@@ -1,0 +1,74 @@
+"""Subscriptions: the filters value, and removal through the bus's public call."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from recis_async import HookBus
+from recis_async.events import AfterStep
+from recis_async.subscription import Filters, filters
+
+
+def test_no_filter_given_means_no_filters_value() -> None:
+    assert filters("subscribe") is None
+
+
+def test_filters_are_one_frozen_value() -> None:
+    f = filters("subscribe", every=2, every_seconds=1)
+    assert f == Filters(every=2, every_seconds=1.0)
+    with pytest.raises(AttributeError):
+        f.every = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"every": 0}, ValueError, r"subscribe\(every=...\): expected a positive int, got 0"),
+        ({"once": True}, ValueError, r"subscribe\(once=...\): expected a positive int, got True"),
+        (
+            {"every_seconds": -1},
+            ValueError,
+            r"subscribe\(every_seconds=...\): expected a positive number, got -1",
+        ),
+        ({"when": 3}, TypeError, r"subscribe\(when=...\): expected a callable, got 3"),
+    ],
+)
+def test_bad_filters_are_refused_naming_the_argument(
+    kwargs: dict[str, object], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        filters("subscribe", **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_unsubscribe_stops_the_calls_and_is_idempotent() -> None:
+    seen: list[int] = []
+    async with HookBus(handle_signals=False) as bus:
+        sub = bus.subscribe(AfterStep, lambda e: seen.append(e.global_step))
+        await bus.publish(AfterStep(global_step=0))
+        bus.unsubscribe(sub)
+        assert not sub.active
+        await bus.publish(AfterStep(global_step=1))
+        bus.unsubscribe(sub)  # again: nothing happens
+        sub.remove()  # the handle's own call goes through the bus too
+        assert "AfterStep" not in bus.describe()
+    assert seen == [0]
+
+
+@pytest.mark.anyio
+async def test_unsubscribe_refuses_what_is_not_a_subscription() -> None:
+    async with HookBus(handle_signals=False) as bus:
+        with pytest.raises(TypeError, match=r"unsubscribe\(subscription=...\): expected"):
+            bus.unsubscribe("x")  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_another_bus_ignores_a_foreign_subscription() -> None:
+    seen: list[int] = []
+    async with HookBus(handle_signals=False) as one, HookBus(handle_signals=False) as other:
+        sub = one.subscribe(AfterStep, lambda e: seen.append(e.global_step))
+        other.unsubscribe(sub)  # marks it removed; one's list is untouched but skips it
+        await one.publish(AfterStep(global_step=0))
+        await anyio.lowlevel.checkpoint()
+    assert seen == []
