@@ -21,17 +21,17 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from torch import nn
 
 from ..bus import HookBus
 from ..events import AfterStep, BeforeStep
 from ..hook import Hook
+from ..jobs import JobQueue
 from ..nn.hashtable import HashTable
 
 __all__ = ["HashTableFilterHook"]
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 def _check_interval(value: object, field: str) -> int | None:
@@ -80,22 +80,16 @@ def _filtered_tables(
     return list(unique.values())
 
 
-class _EvictionService:
-    """Runs eviction requests one at a time: scan and apply in a worker thread per table."""
+class _EvictionService(JobQueue[int]):
+    """Runs eviction requests one at a time (a :class:`~recis_async.jobs.JobQueue` that skips
+    a request when one already waits): scan and apply in a worker thread per table."""
 
     def __init__(self, name: str, tables: list[HashTable]) -> None:
-        self.name = name
+        super().__init__(name, self._evict, capacity=1, overflow="skip")
         self._tables = tables
-        self._send: MemoryObjectSendStream[int]
-        self._receive: MemoryObjectReceiveStream[int]
-        self._send, self._receive = anyio.create_memory_object_stream[int](1)
-        self._closing = False
-        self._pending = 0  # accepted requests not finished yet
-        self._idle: anyio.Event | None = None
-        self._counts: dict[str, Any] = {
+        self._tally: dict[str, Any] = {
             "requests": 0,
             "evictions": 0,
-            "skipped": 0,
             "evicted": 0,
             "last_step": None,
             "last_evicted": 0,
@@ -113,42 +107,21 @@ class _EvictionService:
 
     def request(self, step: int) -> bool:
         """Queue an eviction at ``step``; False (counted as skipped) when one already waits."""
-        if self._closing:
+        if self.closing:
             return False
-        try:
-            self._send.send_nowait(step)
-        except anyio.WouldBlock:
-            self._counts["skipped"] += 1
-            log.debug(
+        if not self.put_nowait(step):
+            logger.debug(
                 "%s: eviction at step %d skipped, the previous one is still running",
                 self.name,
                 step,
             )
             return False
-        self._counts["requests"] += 1
-        if self._pending == 0:
-            self._idle = anyio.Event()
-        self._pending += 1
+        self._tally["requests"] += 1
         return True
 
-    async def wait_idle(self) -> None:
-        """Return once every accepted request has been applied."""
-        idle = self._idle
-        if self._pending and idle is not None:
-            await idle.wait()
-
-    async def run(self) -> None:
-        async with self._receive:
-            async for step in self._receive:
-                try:
-                    if not self._closing:
-                        await self._evict(step)
-                finally:
-                    self._pending -= 1
-                    if self._pending == 0 and self._idle is not None:
-                        self._idle.set()
-
     async def _evict(self, step: int) -> None:
+        if self.closing:
+            return  # a request still queued at close: eviction only saves memory
         total = 0
         by_table: list[str] = []
         started = time.perf_counter()
@@ -159,16 +132,14 @@ class _EvictionService:
             last = table_stats["last"]
             total += evicted
             self._by_table[self._label(table)] += evicted
-            self._counts["scan_s_max"] = max(self._counts["scan_s_max"], plan.scan_s)
-            self._counts["hold_s_max"] = max(
-                self._counts["hold_s_max"], last.get("hold_max_s", 0.0)
-            )
-            self._counts["lookup_wait_s_max"] = max(
-                self._counts["lookup_wait_s_max"], table_stats["lookup_wait_max_s"]
+            self._tally["scan_s_max"] = max(self._tally["scan_s_max"], plan.scan_s)
+            self._tally["hold_s_max"] = max(self._tally["hold_s_max"], last.get("hold_max_s", 0.0))
+            self._tally["lookup_wait_s_max"] = max(
+                self._tally["lookup_wait_s_max"], table_stats["lookup_wait_max_s"]
             )
             if evicted:
                 by_table.append(f"{table.name} {evicted}")
-            log.debug(
+            logger.debug(
                 "%s: step %d evicted %d of %d candidate ids from %r (%d ids left)",
                 self.name,
                 step,
@@ -177,12 +148,12 @@ class _EvictionService:
                 table.name,
                 table.ids_count(),
             )
-        self._counts["evictions"] += 1
-        self._counts["evicted"] += total
-        self._counts["last_step"] = step
-        self._counts["last_evicted"] = total
+        self._tally["evictions"] += 1
+        self._tally["evicted"] += total
+        self._tally["last_step"] = step
+        self._tally["last_evicted"] = total
         if total:
-            log.info(
+            logger.info(
                 "%s: step %d evicted %d ids (%s), %d ids left",
                 self.name,
                 step,
@@ -190,7 +161,7 @@ class _EvictionService:
                 ", ".join(by_table),
                 sum(t.ids_count() for t in self._tables),
             )
-        log.debug(
+        logger.debug(
             "%s: eviction at step %d took %.3fs", self.name, step, time.perf_counter() - started
         )
 
@@ -198,14 +169,14 @@ class _EvictionService:
         # Stop intake; a queued request is dropped (eviction only saves memory, and the
         # process is ending), the running one finishes: its worker threads cannot be
         # interrupted and each lock hold is short.
-        self._closing = True
-        self._send.close()
-        with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
-            await self.wait_idle()
-        counts = self._counts
+        try:
+            await super().aclose(deadline)
+        except TimeoutError as exc:
+            logger.warning("%s", exc)  # nothing is lost: the tables just keep the stale ids
+        counts = {**self._tally, "skipped": super().stats()["skipped"]}
         if counts["evictions"] or counts["skipped"]:
             evicted = ", ".join(f"{name} {n}" for name, n in self._by_table.items())
-            log.info(
+            logger.info(
                 "%s: %d evictions removed %d ids (%s); %d requests skipped while one ran",
                 self.name,
                 counts["evictions"],
@@ -215,9 +186,11 @@ class _EvictionService:
             )
 
     def stats(self) -> Mapping[str, Any]:
+        queue = super().stats()
         return {
-            **self._counts,
-            "pending": self._pending,
+            **self._tally,
+            "skipped": queue["skipped"],
+            "pending": queue["queued"] + queue["running"],
             "tables": len(self._tables),
             "evicted_by_table": dict(self._by_table),
             "ids_by_table": {self._label(t): t.ids_count() for t in self._tables},
@@ -264,7 +237,7 @@ class HashTableFilterHook(Hook):
         self._name = name
         self._service: _EvictionService | None = None
         self.last_filter_step: int | None = None
-        log.debug(
+        logger.debug(
             "%s: filtering %s every %s steps",
             name,
             [t.name for t in self._tables],

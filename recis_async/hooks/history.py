@@ -6,16 +6,16 @@ import csv
 import math
 import os
 import uuid
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .._checks import positive_int, writable_dir
+from .._files import atomic_path
 from ..events import AfterLoadCheckpoint, AfterStep, End
 from ..hook import Hook
+from ..jobs import JobQueue
 
 if TYPE_CHECKING:
     from ..bus import HookBus
@@ -23,86 +23,37 @@ if TYPE_CHECKING:
 __all__ = ["HistorySaverHook"]
 
 COLUMNS = ("mean_losses", "total_losses", "steps")
-_QUEUE = 64  # rows waiting for the writer before the step waits (rows are tiny)
+_QUEUE = 64  # writes waiting before the step waits (each a few rows)
 
 _Op = tuple[str, list[dict[str, Any]]]  # ("rewrite" | "append", rows)
 
 
-class _CsvWriter:
-    """Background service: appends rows to the CSV, or rewrites it atomically, off the step."""
+class _CsvFile:
+    """The history CSV, written off the step: a job appends rows or rewrites it atomically."""
 
     def __init__(self, path: str) -> None:
-        self.name = f"HistorySaverHook({path})"
         self.path = path
-        self.send: MemoryObjectSendStream[_Op]
-        self._receive: MemoryObjectReceiveStream[_Op]
-        self.send, self._receive = anyio.create_memory_object_stream[_Op](_QUEUE)
-        self.finished = anyio.Event()
-        self._rows_written = 0
-        self._writes = 0
 
-    async def run(self) -> None:
-        try:
-            async for op in self._receive:
-                await anyio.to_thread.run_sync(self._apply, [op, *self._queued()])
-        except anyio.get_cancelled_exc_class():
-            # close was cut short (a second stop signal): the queued rows are a few bytes,
-            # so write them here and now rather than lose them
-            queued = self._queued()
-            if queued:
-                self._apply(queued)
-            raise
-        finally:
-            self._receive.close()
-            self.finished.set()
+    async def write(self, op: _Op) -> None:
+        await anyio.to_thread.run_sync(self.apply, op)
 
-    def _queued(self) -> list[_Op]:
-        """Whatever else is queued: one thread hop writes all of it."""
-        ops: list[_Op] = []
-        while True:
-            try:
-                ops.append(self._receive.receive_nowait())
-            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
-                return ops
+    def keep(self, ops: list[_Op]) -> None:
+        """Close was cut short (a second stop signal): the queued rows are a few bytes, so
+        write them here and now rather than lose them."""
+        for op in ops:
+            self.apply(op)
 
-    async def aclose(self, deadline: float) -> None:
-        await self.send.aclose()
-        with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
-            await self.finished.wait()
-        if not self.finished.is_set():
-            raise TimeoutError(f"{self.path}: history rows not written within flush_timeout")
-
-    def stats(self) -> Mapping[str, Any]:
-        return {
-            "rows_written": self._rows_written,
-            "writes": self._writes,
-            "queued": self.send.statistics().current_buffer_used,
-        }
-
-    # -- worker thread
-    def _apply(self, ops: list[_Op]) -> None:
-        start = max((i for i, (kind, _) in enumerate(ops) if kind == "rewrite"), default=None)
-        if start is not None:  # a rewrite makes every earlier op moot
-            rows = [row for _, batch in ops[start:] for row in batch]
+    def apply(self, op: _Op) -> None:
+        kind, rows = op
+        if kind == "rewrite":
             tmp = f"{self.path}.tmp-{uuid.uuid4().hex[:12]}"
-            try:
-                with open(tmp, "w", newline="") as f:
-                    writer = csv.DictWriter(f, fieldnames=COLUMNS)
-                    writer.writeheader()
-                    writer.writerows(rows)
-                os.replace(tmp, self.path)
-            except BaseException:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-                raise
+            with atomic_path(self.path, tmp), open(tmp, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=COLUMNS)
+                writer.writeheader()
+                writer.writerows(rows)
         else:
-            rows = [row for _, batch in ops for row in batch]
             with open(self.path, "a", newline="") as f:
                 csv.DictWriter(f, fieldnames=COLUMNS).writerows(rows)
-        self._rows_written += len(rows)
-        self._writes += 1
 
 
 class HistorySaverHook(Hook):
@@ -142,7 +93,7 @@ class HistorySaverHook(Hook):
         self._total = 0.0  # loss summed over the samples of the open interval
         self._samples = 0
         self._last_step: int | None = None
-        self._writer: _CsvWriter | None = None
+        self._writer: JobQueue[_Op] | None = None
         self._synced = False  # the file holds exactly self._rows (else: rewrite it whole)
 
     @property
@@ -160,7 +111,10 @@ class HistorySaverHook(Hook):
             return
         name = "history.csv" if bus.world_size <= 1 else f"history-rank{bus.rank}.csv"
         self.path = os.path.join(self.output_dir, name)
-        self._writer = _CsvWriter(self.path)
+        file = _CsvFile(self.path)
+        self._writer = JobQueue(
+            f"HistorySaverHook({self.path})", file.write, capacity=_QUEUE, on_cancel=file.keep
+        )
         self._synced = False
         bus.start_service(self._writer)
 
@@ -228,12 +182,12 @@ class HistorySaverHook(Hook):
         if not self._synced:  # the first write of a run, or after a restore: the whole history
             kind, rows = "rewrite", [dict(r) for r in self._rows]
         try:
-            await self._writer.send.send((kind, rows))
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            await self._writer.put((kind, rows))
+        except RuntimeError as exc:
             raise RuntimeError(
                 f"HistorySaverHook: the writer of {self.path} is gone (it failed earlier or "
                 "the bus is closing); rows not written"
-            ) from None
+            ) from exc
         self._synced = True
 
     def __repr__(self) -> str:

@@ -25,7 +25,7 @@ import torch
 from .._checks import logger_or
 from ..events import AfterData, AfterStep, BeforeStep
 from ..hook import Hook
-from ._jobs import JobQueue
+from ..jobs import JobQueue
 from .logger import format_value
 from .ml_tracker import MLTrackerHook
 

@@ -27,7 +27,7 @@ from .._checks import writable_dir
 from ..console import clear_bars
 from ..events import AfterStep, BeforeStep, End
 from ..hook import Hook
-from ._jobs import JobQueue
+from ..jobs import JobQueue
 
 if TYPE_CHECKING:
     from ..bus import HookBus
