@@ -86,7 +86,7 @@ class JobQueue(Generic[T]):
         self._room = anyio.Event()  # set when a waiting job was taken
         self._idle = anyio.Event()
         self._idle.set()
-        self._done = anyio.Event()
+        self.finished = anyio.Event()
         self._scope: anyio.CancelScope | None = None
         self._counts = dict.fromkeys(
             ("jobs", "done", "errors", "dropped", "skipped", "replaced"), 0
@@ -96,6 +96,20 @@ class JobQueue(Generic[T]):
     def closing(self) -> bool:
         """Close has begun: a handler may cut optional work short."""
         return self._closing
+
+    @property
+    def current(self) -> T | None:
+        """The job being handled, if any."""
+        return self._current
+
+    @property
+    def waiting(self) -> tuple[T, ...]:
+        """The jobs queued behind it, oldest first."""
+        return tuple(self._waiting)
+
+    def replaced(self, job: T) -> None:
+        """Called with a waiting job a newer one replaced (``overflow="replace"``); a
+        subclass may recycle what it holds."""
 
     def put_nowait(self, job: T) -> bool:
         """Queue ``job`` without waiting; return whether it was queued.
@@ -116,7 +130,7 @@ class JobQueue(Generic[T]):
             if self._overflow == "skip":
                 self._counts["skipped"] += 1
                 return False
-            self._waiting.pop()
+            self.replaced(self._waiting.pop())
             self._counts["replaced"] += 1
         self._waiting.append(job)
         self._counts["jobs"] += 1
@@ -171,7 +185,7 @@ class JobQueue(Generic[T]):
             raise
         finally:
             self._current = None
-            self._done.set()
+            self.finished.set()
             self._idle.set()  # nothing more will be handled: release waiters
             self._room.set()
 
@@ -212,11 +226,11 @@ class JobQueue(Generic[T]):
         self._wake.set()
         try:
             with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
-                await self._done.wait()
+                await self.finished.wait()
         finally:
-            if not self._done.is_set() and self._scope is not None:
+            if not self.finished.is_set() and self._scope is not None:
                 self._scope.cancel()  # stop run() whatever happened to aclose
-        if self._done.is_set():
+        if self.finished.is_set():
             return
         left = len(self._waiting) + (self._current is not None)
         raise TimeoutError(f"{self.name}: {left} jobs were not finished by the close deadline")

@@ -19,6 +19,7 @@ import anyio.to_thread
 import torch
 
 from .._files import atomic_path
+from ..jobs import JobQueue
 from .files import TMP_MARK, TMP_PREFIX, list_checkpoints
 from .snapshot import Buffers, Layout, Snapshot, allocate
 
@@ -30,27 +31,32 @@ A = TypeVar("A")
 R = TypeVar("R")
 
 
-class CheckpointWriter:
-    """Background service: writes one snapshot at a time, at most one more waits."""
+class CheckpointWriter(JobQueue["Snapshot | Layout"]):
+    """Background service: writes one snapshot at a time; at most one more waits, and a newer
+    snapshot replaces it (a :class:`~recis_async.jobs.JobQueue` with ``overflow="replace"``).
+
+    Args:
+        output_dir: where ``checkpoint-<step>.pt`` files go.
+        max_to_keep: keep the newest this many files (``None``: all).
+        nice: lower the writing thread's CPU priority by this much (Linux).
+        reuse: keep the buffers of a written or superseded snapshot for the next one.
+    """
 
     def __init__(
         self, output_dir: str, max_to_keep: int | None, nice: int | None, reuse: bool
     ) -> None:
-        self.name = f"CheckpointSaverHook({output_dir})"
+        super().__init__(
+            f"CheckpointSaverHook({output_dir})",
+            self._handle_job,
+            capacity=1,
+            overflow="replace",
+            on_cancel=self._cut,
+        )
         self.output_dir = output_dir
         self.max_to_keep = max_to_keep
         self.nice = nice
         self.reuse = reuse
         self._spare: Buffers | None = None
-        self._layout: Layout | None = None  # buffers to allocate ahead of the first snapshot
-        self.failure: BaseException | None = None
-        self.finished = anyio.Event()
-        self._pending: Snapshot | None = None
-        self._writing: Snapshot | None = None
-        self._wake = anyio.Event()
-        self._idle = anyio.Event()
-        self._idle.set()
-        self._closing = False
         self._written = 0
         self._superseded = 0
         self._bytes_written = 0
@@ -58,27 +64,32 @@ class CheckpointWriter:
         self._last_write_s = 0.0
 
     def submit(self, snap: Snapshot) -> None:
-        """Queue ``snap``; a snapshot still waiting is replaced (the newer holds all it had)."""
+        """Queue ``snap``; a snapshot still waiting is replaced (the newer holds all it had).
+
+        Raises:
+            RuntimeError: an earlier write failed, or the writer is closed.
+        """
         if self.failure is not None:
             raise RuntimeError(
                 f"checkpoint of step {snap.step} not taken: an earlier write failed "
                 f"({self.failure})"
             ) from self.failure
-        if self._closing:
+        if self.closing:
             raise RuntimeError(f"checkpoint of step {snap.step} not taken: the writer is closed")
-        if self._pending is not None:
+        for older in self.waiting:
+            if isinstance(older, Snapshot):
+                logger.warning(
+                    "checkpoint of step %d superseded by step %d before it was written "
+                    "(writes are slower than save_steps/save_secs)",
+                    older.step,
+                    snap.step,
+                )
+        self.put_nowait(snap)
+
+    def replaced(self, job: Snapshot | Layout) -> None:
+        if isinstance(job, Snapshot):
             self._superseded += 1
-            self._keep_spare(self._pending.buffers)
-            logger.warning(
-                "checkpoint of step %d superseded by step %d before it was written "
-                "(writes are slower than save_steps/save_secs)",
-                self._pending.step,
-                snap.step,
-            )
-        self._pending = snap
-        if self._idle.is_set():
-            self._idle = anyio.Event()
-        self._wake.set()
+            self._keep_spare(job.buffers)
 
     def take_spare(self) -> Buffers | None:
         """CPU tensors of a snapshot no longer needed, for the next one to overwrite."""
@@ -92,92 +103,60 @@ class CheckpointWriter:
     def prewarm(self, layout: Layout) -> None:
         """Allocate a spare set of buffers off the step while idle, so that even the first
         snapshot overwrites memory instead of faulting fresh pages in."""
-        if self.reuse and self._spare is None and not self._closing:
-            self._layout = layout
-            if self._idle.is_set():
-                self._idle = anyio.Event()
-            self._wake.set()
+        if self.reuse and self._spare is None and not self.closing and not self.waiting:
+            self.put_nowait(layout)
 
-    async def idle(self) -> None:
-        """Return once nothing is queued, written or allocated (or the writer stopped)."""
-        await self._idle.wait()
-
-    async def wait_idle(self) -> None:
+    async def wait_written(self) -> None:
         """Return once nothing is queued, written or allocated; raise if the writer failed."""
-        await self.idle()
+        await self.wait_idle()
         if self.failure is not None:
             raise RuntimeError(f"checkpoint writer failed: {self.failure}") from self.failure
 
-    async def run(self) -> None:
-        try:
-            while True:
-                snap = self._pending
-                if snap is None and self._layout is not None and not self._closing:
-                    layout, self._layout = self._layout, None
-                    buffers = await anyio.to_thread.run_sync(
-                        self._apart, allocate, layout, abandon_on_cancel=True
-                    )
-                    if self._spare is None:
-                        self._spare = buffers
-                    continue
-                if snap is None:
-                    self._idle.set()
-                    if self._closing:
-                        return
-                    self._wake = anyio.Event()
-                    await self._wake.wait()
-                    continue
-                self._pending = None
-                self._writing = snap
-                t = time.perf_counter()
-                await anyio.to_thread.run_sync(
-                    self._apart, self._write, snap, abandon_on_cancel=True
-                )
-                self._last_write_s = time.perf_counter() - t
-                self._writing = None
-                self._keep_spare(snap.buffers)
-                self._written += 1
-                self._bytes_written += snap.nbytes
-                self._last_step = snap.step
-        except anyio.get_cancelled_exc_class():
-            # close was cut short: too big to write synchronously; older checkpoints stand
-            lost = [s.step for s in (self._writing, self._pending) if s is not None]
-            if lost:
-                logger.error("checkpoint(s) of step %s not confirmed written: close cut", lost)
-            raise
-        except BaseException as exc:
-            self.failure = exc
-            if self._pending is not None:
-                logger.error(
-                    "checkpoint of step %d not written: the writer failed", self._pending.step
-                )
-                self._pending = None
-            raise
-        finally:
-            self.finished.set()
-            self._idle.set()  # nothing more will be written: release waiters
+    async def _handle_job(self, job: Snapshot | Layout) -> None:
+        if not isinstance(job, Snapshot):  # a prewarm
+            buffers = await anyio.to_thread.run_sync(
+                self._apart, allocate, job, abandon_on_cancel=True
+            )
+            if self._spare is None:
+                self._spare = buffers
+            return
+        t = time.perf_counter()
+        await anyio.to_thread.run_sync(self._apart, self._write, job, abandon_on_cancel=True)
+        self._last_write_s = time.perf_counter() - t
+        self._keep_spare(job.buffers)
+        self._written += 1
+        self._bytes_written += job.nbytes
+        self._last_step = job.step
+
+    def _cut(self, jobs: list[Snapshot | Layout]) -> None:
+        """Close was cut short: a snapshot is too big to write synchronously; the older
+        checkpoints stand."""
+        lost = [s.step for s in jobs if isinstance(s, Snapshot)]
+        if lost:
+            logger.error("checkpoint(s) of step %s not confirmed written: close cut", lost)
 
     async def aclose(self, deadline: float) -> None:
-        self._closing = True
-        self._wake.set()
-        with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
-            await self.finished.wait()
-        if not self.finished.is_set():
-            unwritten = [s.step for s in (self._writing, self._pending) if s is not None]
+        unwritten: list[int] = []
+        try:
+            await super().aclose(deadline)
+        except TimeoutError:
+            unwritten = [s.step for s in (self.current, *self.waiting) if isinstance(s, Snapshot)]
+        if unwritten:
             raise TimeoutError(
                 f"checkpoint(s) of step {unwritten} not confirmed written within the bus's "
                 "flush_timeout; an unfinished write leaves no file behind"
             )
 
     def stats(self) -> Mapping[str, Any]:
+        writing, pending = self.current, (self.waiting or (None,))[-1]
         return {
             "written": self._written,
             "superseded": self._superseded,
             "bytes_written": self._bytes_written,
             "last_step": self._last_step,
             "last_write_s": self._last_write_s,
-            "writing_step": None if self._writing is None else self._writing.step,
-            "pending_step": None if self._pending is None else self._pending.step,
+            "writing_step": writing.step if isinstance(writing, Snapshot) else None,
+            "pending_step": pending.step if isinstance(pending, Snapshot) else None,
             "spare_bytes": sum(t.numel() * t.element_size() for t in (self._spare or {}).values()),
         }
 

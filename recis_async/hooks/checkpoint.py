@@ -204,7 +204,7 @@ class CheckpointSaverHook(Hook):
             # so what follows training (evaluation, a restore) finds it on every rank
             if self._writer is not None:
                 with anyio.move_on_after(self.barrier_timeout):
-                    await self._writer.idle()
+                    await self._writer.wait_idle()
             await self._barrier(f"the barrier after checkpoint {step} was written")
 
     async def _save(self, step: int, *, at_end: bool = False) -> None:
@@ -268,7 +268,7 @@ class CheckpointSaverHook(Hook):
         raise if a write failed.  Meant for tests and tools: the training loop need not."""
         if self._writer is None:
             raise RuntimeError(f"{self!r} is not attached to a bus: bus.add_hook(hook) first")
-        await self._writer.wait_idle()
+        await self._writer.wait_written()
 
     def _own_states(self) -> list[tuple[str, Any]]:
         """``(place, state_dict)`` of the model, optimizer and LR scheduler given."""
