@@ -291,7 +291,7 @@ class HookBus:
         priority = priority_value(hook.priority, field=f"{type(hook).__name__}.priority")
         on_error = check_on_error(type(hook).__name__, "on_error", hook.on_error)
         cls = type(hook)
-        added: list[Subscription] = []
+        methods: dict[str, type[Event]] = {}
         for event_type in _event_types():
             name = method_name(event_type)
             if name in RESERVED_NAMES:
@@ -299,8 +299,27 @@ class HookBus:
             impl = getattr(cls, name, None)
             if impl is None or impl is getattr(Hook, name, None) or not callable(impl):
                 continue
+            methods[name] = event_type
+        for name, value in hook.filters.items():
+            if name not in methods:
+                raise ValueError(
+                    f"add_hook(): {cls.__name__}.filters names {name!r}, which is not an event "
+                    f"method it overrides (it overrides {sorted(methods)})"
+                )
+            if not isinstance(value, Filters):
+                raise TypeError(
+                    f"add_hook(): {cls.__name__}.filters[{name!r}]: expected a Filters, "
+                    f"got {value!r}"
+                )
+        added: list[Subscription] = []
+        for name, event_type in methods.items():
             sub = self._add(
-                event_type, getattr(hook, name), f"{cls.__name__}.{name}", priority, None, on_error
+                event_type,
+                getattr(hook, name),
+                f"{cls.__name__}.{name}",
+                priority,
+                hook.filters.get(name),
+                on_error,
             )
             added.append(sub)
         self._hooks.append(hook)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from .errors import OnError
@@ -25,6 +27,7 @@ from .events import (
     WindowMode,
 )
 from .priority import Priority
+from .subscription import Filters
 
 if TYPE_CHECKING:
     from .bus import HookBus
@@ -47,6 +50,10 @@ class Hook:
     priority: ClassVar[int | Priority] = Priority.NORMAL
     on_error: ClassVar[OnError] = "raise"
     rank_zero_only: bool = False  # an instance may override it (LoggerHook(all_reduce=True))
+    #: Subscription filters by method name (``{"after_step": Filters(every=10, when=...)}``):
+    #: a hook whose method runs on a plain cadence lets the bus count it, as for any
+    #: subscriber, instead of counting itself.  Set it in ``__init__``; read by ``add_hook``.
+    filters: Mapping[str, Filters] = MappingProxyType({})
 
     @property
     def state_key(self) -> str:

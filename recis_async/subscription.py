@@ -17,22 +17,29 @@ from .priority import priority_label
 if TYPE_CHECKING:
     from .bus import HookBus
 
-__all__ = ["Filters", "Subscription", "filters"]
+__all__ = ["Filters", "Subscription", "filters", "is_train"]
 
 
 class Filters(msgspec.Struct, frozen=True, kw_only=True):
     """Which occurrences of its event a subscriber is called for; all given must pass.
 
-    Occurrences are counted per subscriber, 1-based: ``every=3`` fires on the 3rd, 6th, ...;
-    ``once=2`` only on the 2nd (then the subscription removes itself); ``every_seconds`` at
-    most once per interval (the first occurrence fires); ``when(event)`` must return true.
-    Build one with :func:`filters`, which checks the values.
+    ``when(event)`` must return true, and only the events it accepts are counted (so
+    ``every=3, when=is_train`` is every third training step).  Occurrences are counted per
+    subscriber, 1-based: ``every=3`` fires on the 3rd, 6th, ...; ``once=2`` only on the 2nd
+    (then the subscription removes itself); ``every_seconds`` at most once per interval (the
+    first occurrence fires).  Build one with :func:`filters`, which checks the values; a hook
+    declares them for its methods in :attr:`Hook.filters <recis_async.Hook.filters>`.
     """
 
     every: int | None = None
     once: int | None = None
     every_seconds: float | None = None
     when: Callable[[Any], bool] | None = None
+
+
+def is_train(event: Any) -> bool:
+    """``when=is_train``: training steps only (events without ``is_train`` pass)."""
+    return getattr(event, "is_train", True) is True
 
 
 def filters(
@@ -120,20 +127,21 @@ class Subscription:
         self.max_s = 0.0
 
     def accepts(self, event: Event, now: float) -> bool:
-        """Count this occurrence (1-based) and apply every filter; all must pass."""
-        self.count += 1
-        n = self.count
+        """Apply ``when``, count the occurrence (1-based), then the other filters; all must
+        pass."""
         f = self.filters
         if f is None:
             return True
+        if f.when is not None and not f.when(event):
+            return False
+        self.count += 1
+        n = self.count
         if f.every is not None and n % f.every:
             return False
         if f.once is not None:
             if n != f.once:
                 return False
             self.remove()  # fires once, never again
-        if f.when is not None and not f.when(event):
-            return False
         if f.every_seconds is not None:
             if now - self.last_fired < f.every_seconds:
                 return False

@@ -5,8 +5,8 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from recis_async import HookBus
-from recis_async.events import AfterStep
+from recis_async import Hook, HookBus
+from recis_async.events import AfterStep, BeforeStep
 from recis_async.subscription import Filters, filters
 
 
@@ -72,3 +72,54 @@ async def test_another_bus_ignores_a_foreign_subscription() -> None:
         await one.publish(AfterStep(global_step=0))
         await anyio.lowlevel.checkpoint()
     assert seen == []
+
+
+@pytest.mark.anyio
+async def test_only_events_when_accepts_are_counted() -> None:
+    """``every=2, when=is_train``: every second *training* step, eval steps in between or
+    not -- the cadence the built-in hooks declare."""
+    from recis_async.subscription import is_train
+
+    seen: list[int] = []
+    async with HookBus(handle_signals=False) as bus:
+        bus.subscribe(AfterStep, lambda e: seen.append(e.global_step), every=2, when=is_train)
+        for step in range(6):
+            await bus.publish(AfterStep(global_step=step))
+            await bus.publish(AfterStep(global_step=step, is_train=False))  # an eval step
+    assert seen == [1, 3, 5]
+
+
+class EveryOther(Hook):
+    def __init__(self) -> None:
+        self.filters = {"after_step": Filters(every=2)}
+        self.seen: list[int] = []
+
+    def after_step(self, event: AfterStep) -> None:
+        self.seen.append(event.global_step)
+
+    def before_step(self, event: BeforeStep) -> None:
+        self.seen.append(-1)  # no filter declared: every occurrence
+
+
+@pytest.mark.anyio
+async def test_a_hook_declares_the_filters_of_its_methods() -> None:
+    hook = EveryOther()
+    async with HookBus(handle_signals=False) as bus:
+        bus.add_hook(hook)
+        for step in range(4):
+            await bus.publish(BeforeStep(global_step=step))
+            await bus.publish(AfterStep(global_step=step))
+        assert "every=2" in bus.describe()
+    assert hook.seen == [-1, -1, 1, -1, -1, 3]
+
+
+@pytest.mark.anyio
+async def test_hook_filters_must_name_a_method_it_overrides() -> None:
+    hook = EveryOther()
+    hook.filters = {"after_stpe": Filters(every=2)}
+    async with HookBus(handle_signals=False) as bus:
+        with pytest.raises(ValueError, match=r"EveryOther.filters names 'after_stpe'"):
+            bus.add_hook(hook)
+        hook.filters = {"after_step": 2}  # type: ignore[dict-item]
+        with pytest.raises(TypeError, match=r"filters\['after_step'\]: expected a Filters"):
+            bus.add_hook(hook)

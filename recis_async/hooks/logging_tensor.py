@@ -11,6 +11,7 @@ from typing import Any
 from .._checks import exactly_one, positive_int, positive_number
 from ..events import AfterStep
 from ..hook import Hook
+from ..subscription import Filters, is_train
 
 __all__ = ["LoggingTensorHook"]
 
@@ -65,22 +66,23 @@ class LoggingTensorHook(Hook):
         self.every_n_secs = (
             None if every_n_secs is None else positive_number(owner, "every_n_secs", every_n_secs)
         )
+        if self.every_n_secs is not None:  # the first training step, then every S seconds
+            self.filters = {"after_step": Filters(every_seconds=self.every_n_secs, when=is_train)}
         self._iter = 0
         self._last: float = -math.inf
         self._warned: set[str] = set()
 
     def after_step(self, event: AfterStep) -> None:
         if not event.is_train:
-            return
+            return  # (with every_n_secs the bus's filter passes training steps only)
         now = time.monotonic()
         if self.every_n_iter is not None:
+            # TensorFlow's rule: the first step, then every n-th (the bus's ``every=n`` would
+            # fire on the n-th first)
             due = self._iter % self.every_n_iter == 0
-        else:
-            assert self.every_n_secs is not None
-            due = now - self._last >= self.every_n_secs
-        self._iter += 1
-        if not due:
-            return
+            self._iter += 1
+            if not due:
+                return
         parts = []
         for name in self.names:
             if name in event.metrics:

@@ -19,6 +19,7 @@ import torch
 from .._checks import writable_dir
 from ..events import AfterStep, End
 from ..hook import Hook
+from ..subscription import Filters, is_train
 from ..trackers import RunSpec, StepRecord, TrackerService
 from ..trackers.base import check_metric_name, to_tracked_value
 from ..trackers.service import check_settings
@@ -58,7 +59,8 @@ class SummarySaverHook(Hook):
         self.save_steps = save_steps
         self.model = model
         self.max_buffer_bytes = max_buffer_bytes
-        self._count = 0
+        # every save_steps-th training step, counted by the bus
+        self.filters = {"after_step": Filters(every=save_steps, when=is_train)}
         self._names: set[str] = set()
         self._service: TrackerService | None = None
 
@@ -83,10 +85,7 @@ class SummarySaverHook(Hook):
         bus.start_service(self._service)
 
     async def after_step(self, event: AfterStep) -> None:
-        if not event.is_train:
-            return
-        self._count += 1
-        if self._count % self.save_steps or self._service is None:
+        if self._service is None:
             return
         values: dict[str, Any] = {}
         for key, value in event.metrics.items():
