@@ -18,9 +18,13 @@ __all__ = [
     "dir_path",
     "exactly_one",
     "logger_or",
+    "non_negative_int",
+    "non_negative_number",
+    "nonempty_str",
     "on_error",
     "positive_int",
     "positive_number",
+    "one_of",
     "writable_dir",
 ]
 
@@ -44,11 +48,7 @@ def logger_or(owner: str, value: Any, default: str) -> logging.Logger:
 
 def on_error(owner: str, field: str, value: Any) -> OnError:
     """``value`` if it is one of the :data:`~recis_async.errors.OnError` policies."""
-    if value not in get_args(OnError):
-        raise ValueError(
-            f"{owner}({field}=...): expected one of 'raise', 'log', 'disable', got {value!r}"
-        )
-    return cast(OnError, value)
+    return cast(OnError, one_of(owner, field, value, get_args(OnError)))
 
 
 def stateful(owner: str, field: str, value: Any, *, optional: bool) -> None:
@@ -62,23 +62,64 @@ def stateful(owner: str, field: str, value: Any, *, optional: bool) -> None:
         raise TypeError(f"{owner}({field}=...): expected {expected}, got {value!r}")
 
 
-def positive_int(owner: str, field: str, value: Any) -> int:
-    """``value`` as an int > 0, or ``ValueError("Owner(field=...): expected ...")``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{owner}({field}=...): expected a positive int, got {value!r}")
+def _int(owner: str, field: str, value: Any, expected: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{owner}({field}=...): expected {expected}, got {value!r}")
     return value
 
 
+def _number(owner: str, field: str, value: Any, expected: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{owner}({field}=...): expected {expected}, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{owner}({field}=...): expected {expected}, got {value!r}")
+    return float(value)
+
+
+def positive_int(owner: str, field: str, value: Any) -> int:
+    """``value`` as an int > 0: ``TypeError`` for another type (``True`` and ``2.0``
+    included), ``ValueError`` for 0 or less; both say ``Owner(field=...): expected ...``."""
+    if _int(owner, field, value, "a positive int") <= 0:
+        raise ValueError(f"{owner}({field}=...): expected a positive int, got {value!r}")
+    return int(value)
+
+
+def non_negative_int(owner: str, field: str, value: Any) -> int:
+    """``value`` as an int >= 0 (errors as :func:`positive_int`)."""
+    if _int(owner, field, value, "an int >= 0") < 0:
+        raise ValueError(f"{owner}({field}=...): expected an int >= 0, got {value!r}")
+    return int(value)
+
+
 def positive_number(owner: str, field: str, value: Any) -> float:
-    """``value`` as a finite float > 0."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
+    """``value`` as a finite float > 0 (``TypeError`` for a non-number)."""
+    if _number(owner, field, value, "a positive number") <= 0:
         raise ValueError(f"{owner}({field}=...): expected a positive number, got {value!r}")
     return float(value)
+
+
+def non_negative_number(owner: str, field: str, value: Any) -> float:
+    """``value`` as a finite float >= 0 (``TypeError`` for a non-number)."""
+    if _number(owner, field, value, "a number >= 0") < 0:
+        raise ValueError(f"{owner}({field}=...): expected a number >= 0, got {value!r}")
+    return float(value)
+
+
+def one_of(owner: str, field: str, value: Any, choices: tuple[str, ...]) -> str:
+    """``value`` if it is one of ``choices``."""
+    if value not in choices:
+        expected = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"{owner}({field}=...): expected one of {expected}, got {value!r}")
+    return cast(str, value)
+
+
+def nonempty_str(owner: str, field: str, value: Any) -> str:
+    """``value`` if it is a non-empty str."""
+    if not isinstance(value, str):
+        raise TypeError(f"{owner}({field}=...): expected a non-empty str, got {value!r}")
+    if not value:
+        raise ValueError(f"{owner}({field}=...): expected a non-empty str, got ''")
+    return value
 
 
 def exactly_one(owner: str, **given: Any) -> str:

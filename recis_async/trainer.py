@@ -26,6 +26,7 @@ import msgspec
 import torch
 
 from . import dist
+from ._checks import nonempty_str, positive_int, positive_number
 from .aggregate import MetricAggregator
 from .bus import HookBus
 from .checkpoint import restore_checkpoint
@@ -61,14 +62,6 @@ logger = logging.getLogger(__name__)
 _CONTINUE, _END_EPOCH, _STOP = 0, 1, 2
 
 
-def _positive(owner: str, field: str, value: object, *, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        expected = "a positive int or None" if optional else "a positive int"
-        raise ValueError(f"{owner}.{field}: expected {expected}, got {value!r}")
-
-
 class TrainingArguments(msgspec.Struct, kw_only=True, frozen=True):
     """What the trainer runs; names follow RecIS's ``TrainingArguments``.
 
@@ -90,20 +83,14 @@ class TrainingArguments(msgspec.Struct, kw_only=True, frozen=True):
     collective_timeout: float = 300.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.output_dir, str) or not self.output_dir:
-            raise ValueError(
-                f"TrainingArguments.output_dir: expected a non-empty path, got {self.output_dir!r}"
-            )
+        owner = "TrainingArguments"
+        nonempty_str(owner, "output_dir", self.output_dir)
         for field in ("log_steps", "train_epoch", "max_to_keep", "gradient_accumulation_steps"):
-            _positive("TrainingArguments", field, getattr(self, field))
-        for field in ("train_steps", "eval_steps", "save_steps"):
-            _positive("TrainingArguments", field, getattr(self, field), optional=True)
-        timeout = self.collective_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-            raise ValueError(
-                f"TrainingArguments.collective_timeout: expected a positive number of seconds, "
-                f"got {timeout!r}"
-            )
+            positive_int(owner, field, getattr(self, field))
+        for field in ("train_steps", "eval_steps", "save_steps"):  # None: no limit / no saves
+            if getattr(self, field) is not None:
+                positive_int(owner, field, getattr(self, field))
+        positive_number(owner, "collective_timeout", self.collective_timeout)
 
 
 class WindowedDataset(Protocol):

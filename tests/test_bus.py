@@ -537,12 +537,12 @@ async def test_bad_input_is_refused_at_the_call() -> None:
         ({"handle_signals": None}, TypeError, r"expected a bool, got None"),
         (
             {"flush_timeout": "60"},
-            ValueError,
+            TypeError,
             r"HookBus\(flush_timeout=...\): expected a positive number, got '60'",
         ),
         ({"flush_timeout": math.nan}, ValueError, r"expected a positive number, got nan"),
         ({"flush_timeout": math.inf}, ValueError, r"expected a positive number, got inf"),
-        ({"flush_timeout": True}, ValueError, r"expected a positive number, got True"),
+        ({"flush_timeout": True}, TypeError, r"expected a positive number, got True"),
         ({"flush_timeout": -1}, ValueError, r"expected a positive number, got -1"),
     ],
 )

@@ -25,7 +25,7 @@ def test_filters_are_one_frozen_value() -> None:
     ("kwargs", "error", "message"),
     [
         ({"every": 0}, ValueError, r"subscribe\(every=...\): expected a positive int, got 0"),
-        ({"once": True}, ValueError, r"subscribe\(once=...\): expected a positive int, got True"),
+        ({"once": True}, TypeError, r"subscribe\(once=...\): expected a positive int, got True"),
         (
             {"every_seconds": -1},
             ValueError,

@@ -227,14 +227,19 @@ async def test_body_error_from_model_ends_failed() -> None:
 
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(
-        ValueError, match=r"TrainingArguments.train_steps: expected a positive int or None, got 0"
+        ValueError, match=r"TrainingArguments\(train_steps=...\): expected a positive int, got 0"
     ):
         TrainingArguments(train_steps=0)
     with pytest.raises(
         ValueError,
-        match=r"TrainingArguments.gradient_accumulation_steps: expected a positive int, got -1",
+        match=r"TrainingArguments\(gradient_accumulation_steps=...\): expected a positive int, "
+        r"got -1",
     ):
         TrainingArguments(gradient_accumulation_steps=-1)
+    with pytest.raises(TypeError, match=r"TrainingArguments\(output_dir=...\): expected a non"):
+        TrainingArguments(output_dir=3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"TrainingArguments\(log_steps=...\): .* got '10'"):
+        TrainingArguments(log_steps="10")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"Trainer\(hooks\[0\]\): expected a Hook"):
         Trainer(Model(), hooks=[print])  # type: ignore[list-item]
     with pytest.raises(TypeError, match=r"Trainer\(train_dataset=...\): expected an iterable"):

@@ -26,7 +26,7 @@ import msgspec
 import numpy as np
 
 from .. import dist
-from .._checks import logger_or
+from .._checks import boolean, logger_or, positive_int, positive_number
 from ..events import AfterEval, AfterStep, BeforeStep
 from ..hook import Hook
 
@@ -84,18 +84,13 @@ class LoggerHook(Hook):
         logger: logging.Logger | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not isinstance(all_reduce, bool):
-            raise TypeError(f"LoggerHook.all_reduce: expected a bool, got {all_reduce!r}")
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
-            raise ValueError(f"LoggerHook.timeout: expected positive seconds, got {timeout!r}")
-        self.all_reduce = all_reduce
+        owner = type(self).__name__
+        self.all_reduce = boolean(owner, "all_reduce", all_reduce)
         self.rank_zero_only = not all_reduce  # reducing needs every rank
-        self.timeout = float(timeout)
-        if isinstance(log_step, bool) or not isinstance(log_step, int) or log_step <= 0:
-            raise ValueError(f"LoggerHook.log_step: expected a positive int, got {log_step!r}")
+        self.timeout = positive_number(owner, "timeout", timeout)
+        self.log_step = positive_int(owner, "log_step", log_step)
         if not callable(clock):
-            raise TypeError(f"LoggerHook.clock: expected a callable, got {clock!r}")
-        self.log_step = log_step
+            raise TypeError(f"{owner}(clock=...): expected a callable, got {clock!r}")
         self.logger = logger_or(type(self).__name__, logger, "recis_async.hooks.logger")
         self._clock = clock
         self._windows = {True: _Window(), False: _Window()}

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .._checks import writable_dir
+from .._checks import positive_int, writable_dir
 from ..events import AfterStep, End
 from ..hook import Hook
 from ..subscription import Filters, is_train
@@ -44,10 +44,7 @@ class SummarySaverHook(Hook):
         model: torch.nn.Module | None = None,
         max_buffer_bytes: int = 64 << 20,
     ) -> None:
-        if isinstance(save_steps, bool) or not isinstance(save_steps, int) or save_steps <= 0:
-            raise ValueError(
-                f"SummarySaverHook.save_steps: expected a positive int, got {save_steps!r}"
-            )
+        positive_int(type(self).__name__, "save_steps", save_steps)
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(
                 "SummarySaverHook.model: expected a torch.nn.Module or None, "

@@ -19,6 +19,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
+from .._checks import one_of, positive_int
 from ..events import AfterStep, Start
 from ..hook import Hook
 from ..trace.base import Sink
@@ -64,12 +65,7 @@ class TraceHook(Hook):
         spill_dir: str | os.PathLike[str] | None = None,
         steps: Literal["all", "train", "eval"] = "all",
     ) -> None:
-        if steps not in _STEPS:
-            raise ValueError(
-                f"{type(self).__name__}(steps=...): expected one of 'all', 'train', 'eval', "
-                f"got {steps!r}"
-            )
-        self.steps = steps
+        self.steps = one_of(type(self).__name__, "steps", steps, _STEPS)
         # the is_train value of the steps left out, or None when every step is traced
         self._skip: bool | None = None if steps == "all" else steps == "eval"
         if not isinstance(sink, Sink):
@@ -77,15 +73,7 @@ class TraceHook(Hook):
                 f"{type(self).__name__}(sink=...): expected a Sink (name, open, write, close), "
                 f"got {type(sink).__name__}"
             )
-        if (
-            isinstance(size_threshold, bool)
-            or not isinstance(size_threshold, int)
-            or size_threshold <= 0
-        ):
-            raise ValueError(
-                f"{type(self).__name__}(size_threshold=...): expected an int number of bytes > 0, "
-                f"got {size_threshold!r}"
-            )
+        positive_int(type(self).__name__, "size_threshold", size_threshold)
         self._buffer = ColumnBuffer(fields, types)
         check_fields = getattr(sink, "check_fields", None)  # e.g. ParquetSink's partition keys
         if check_fields is not None:

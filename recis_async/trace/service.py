@@ -33,7 +33,13 @@ from typing import Any, Protocol
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from .._checks import creatable_dir
+from .._checks import (
+    creatable_dir,
+    non_negative_int,
+    non_negative_number,
+    positive_int,
+    positive_number,
+)
 from ..errors import SinkError, TraceDeliveryError
 from ..service import yield_to_services
 from .base import Attempt, Sink
@@ -99,25 +105,13 @@ class TraceWriter:
         name: str | None = None,
         owner: str = "TraceWriter",
     ) -> None:
-        if isinstance(worker_num, bool) or not isinstance(worker_num, int) or worker_num < 1:
-            raise ValueError(f"{owner}(worker_num=...): expected an int >= 1, got {worker_num!r}")
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-            raise ValueError(f"{owner}(retries=...): expected an int >= 0, got {retries!r}")
-        for label, value in (
-            ("retry_backoff", retry_backoff),
-            ("max_backoff", max_backoff),
-            ("commit_wait", commit_wait),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-                raise ValueError(
-                    f"{owner}({label}=...): expected a number of seconds >= 0, got {value!r}"
-                )
-        if max_age is not None and (
-            isinstance(max_age, bool) or not isinstance(max_age, int | float) or not max_age > 0
-        ):
-            raise ValueError(
-                f"{owner}(max_age=...): expected None or a number of seconds > 0, got {max_age!r}"
-            )
+        positive_int(owner, "worker_num", worker_num)
+        non_negative_int(owner, "retries", retries)
+        non_negative_number(owner, "retry_backoff", retry_backoff)
+        non_negative_number(owner, "max_backoff", max_backoff)
+        non_negative_number(owner, "commit_wait", commit_wait)
+        if max_age is not None:
+            positive_number(owner, "max_age", max_age)
         self.sink = sink
         self.name = name or f"trace:{sink.name}"
         self.worker_num = worker_num

@@ -162,11 +162,14 @@ async def test_on_a_bus_with_add_metric(caplog: pytest.LogCaptureFixture) -> Non
 
 
 def test_log_step_validation() -> None:
-    for bad in (0, -3, 2.5, True, "10"):
+    """A wrong value is a ValueError, a wrong type (``"a"``, ``True``, ``2.5``) a TypeError."""
+    for bad, error in ((0, ValueError), (-3, ValueError), (2.5, TypeError), (True, TypeError)):
         with pytest.raises(
-            ValueError, match=f"LoggerHook.log_step: expected a positive int, got {bad!r}"
+            error, match=rf"LoggerHook\(log_step=...\): expected a positive int, got {bad!r}"
         ):
             LoggerHook(log_step=bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"LoggerHook\(log_step=...\): .* got 'a'"):
+        LoggerHook(log_step="a")  # type: ignore[arg-type]
     assert LoggerHook.rank_zero_only is True
     with pytest.raises(
         TypeError, match=r"LoggerHook\(logger=...\): expected a logging.Logger or None, got 'x'"

@@ -147,7 +147,7 @@ def test_stop_at_step_bad_input() -> None:
         StopAtStepHook(num_steps=0)
     with pytest.raises(ValueError, match=r"last_step=...\): expected a positive int, got -2"):
         StopAtStepHook(last_step=-2)
-    with pytest.raises(ValueError, match=r"expected a positive int, got True"):
+    with pytest.raises(TypeError, match=r"expected a positive int, got True"):
         StopAtStepHook(last_step=True)
 
 

@@ -68,7 +68,7 @@ async def test_bad_metric_fails_at_its_publish(tmp_path: Path) -> None:
 
 def test_validation(tmp_path: Path) -> None:
     with pytest.raises(
-        ValueError, match="SummarySaverHook.save_steps: expected a positive int, got 0"
+        ValueError, match=r"SummarySaverHook\(save_steps=...\): expected a positive int, got 0"
     ):
         SummarySaverHook(0, tmp_path)
     blocker = tmp_path / "file"
