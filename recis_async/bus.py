@@ -68,6 +68,15 @@ class HookBus:
     "preempted")`` is published, every service drains within ``flush_timeout``, and leaving the
     block raises ``SystemExit(128 + signal)`` (143 for SIGTERM, 130 for SIGINT).  A second
     signal cancels the body and closes at once: services spill what they still hold.
+
+    Args:
+        flush_timeout: seconds close may take to drain every background service.
+        handle_signals: turn SIGTERM/SIGINT into a graceful stop (see above).
+
+    Raises:
+        TypeError: a ``flush_timeout`` that is not a number, a ``handle_signals`` that is not a
+            bool.
+        ValueError: a ``flush_timeout`` that is not finite and positive.
     """
 
     def __init__(self, flush_timeout: float = 60.0, *, handle_signals: bool = True) -> None:

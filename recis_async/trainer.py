@@ -135,6 +135,18 @@ class Trainer:
     When the application configured no logging (no handler on the root or ``recis_async``
     logger), a run shows the library's INFO lines on stderr, as
     :func:`recis_async.enable_logging` would; configured logging is left alone.
+
+    Args:
+        model: the module; ``model(batch)`` returns the loss as above.
+        args: what to run (:class:`TrainingArguments`); defaults if ``None``.
+        train_dataset: an iterable of batches, or a windowed dataset.
+        eval_dataset: an iterable of batches for :meth:`evaluate`.
+        hooks: hooks added to every bus the trainer opens (or to ``bus``).
+        dense_optimizers: ``(optimizer, lr_scheduler)``.
+        bus: an open bus to publish on instead of opening one per call.
+
+    Raises:
+        TypeError: an argument of the wrong type, naming it (``hooks[2]``, say).
     """
 
     def __init__(

@@ -93,3 +93,62 @@ def test_every_public_name_is_importable_and_documented() -> None:
         """
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_public_constructors_document_their_arguments_and_errors() -> None:
+    """Every public class built by users documents its constructor in one form: an ``Args:``
+    section naming each parameter, and a ``Raises:`` section when it checks them.
+
+    Left out: exceptions, enums, msgspec Structs (events, ``ReportArguments``: their fields are
+    attributes, documented as such), Protocols, and ``Subscription`` (built by the bus,
+    returned by ``subscribe``)."""
+    result = run_fresh(
+        f"""
+        import enum, importlib, importlib.util, inspect
+        import msgspec
+        from recis_async.subscription import Subscription
+        seen, missing = set(), []
+        for package in {PUBLIC_PACKAGES!r}:
+            if importlib.util.find_spec(package) is None:
+                continue
+            module = importlib.import_module(package)
+            for name in module.__all__:
+                cls = getattr(module, name)
+                if not inspect.isclass(cls) or cls in seen or cls is Subscription:
+                    continue
+                seen.add(cls)
+                if issubclass(cls, (BaseException, msgspec.Struct, enum.Enum)):
+                    continue
+                if getattr(cls, "_is_protocol", False):
+                    continue
+                init = cls.__init__
+                try:
+                    source = inspect.getsource(init)
+                except (OSError, TypeError):
+                    continue  # inherited from object or a C type: no parameters of its own
+                params = [
+                    p.name
+                    for p in inspect.signature(init).parameters.values()
+                    if p.name != "self"
+                ]
+                if not params:
+                    continue
+                doc = (cls.__doc__ or "") + (init.__doc__ or "")
+                where = f"{{cls.__module__}}.{{cls.__qualname__}}"
+                if "Args:" not in doc:
+                    missing.append(f"{{where}}: no Args: section")
+                    continue
+                absent = [p for p in params if f"{{p}}:" not in doc]
+                if absent:
+                    missing.append(f"{{where}}: Args: does not name {{absent}}")
+                checks = "raise " in source or "_checks" in source or any(
+                    f"{{c}}(" in source
+                    for c in ("positive_int", "positive_number", "boolean", "one_of",
+                              "writable_dir", "exactly_one", "nonempty_str", "stateful")
+                )
+                if checks and "Raises:" not in doc:
+                    missing.append(f"{{where}}: checks its arguments but has no Raises:")
+        assert not missing, "\\n".join(missing)
+        """
+    )
+    assert result.returncode == 0, result.stderr

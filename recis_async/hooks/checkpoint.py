@@ -75,6 +75,25 @@ class CheckpointSaverHook(Hook):
     and the barrier guarantees every rank finished the step being saved.  One saver per
     directory: unfinished temporary files found there when the hook is added to a bus are
     removed (on rank 0).
+
+    Args:
+        output_dir: where ``checkpoint-<step>.pt`` files go (created if missing).
+        save_steps: save every this many completed training steps.
+        save_secs: or: save at the first step this many seconds after the previous save.
+        max_to_keep: keep the newest this many files; ``None`` keeps all.
+        save_end: save at ``End`` when the run ended ok or preempted.
+        model: the model to save (required).
+        optimizer: its optimizer, or ``None``.
+        lr_scheduler: its LR scheduler, or ``None``.
+        barrier_timeout: seconds the ranks may wait for each other at a save.
+        writer_nice: how much to renice the writing thread (Linux); ``None``: not at all.
+        reuse_buffers: keep a snapshot's host buffers for the next one.
+
+    Raises:
+        TypeError: a ``model``, ``optimizer`` or ``lr_scheduler`` without
+            ``state_dict``/``load_state_dict``, a count of the wrong type.
+        ValueError: both ``save_steps`` and ``save_secs``, no save point at all, a count or
+            timeout out of range, an unwritable ``output_dir``.
     """
 
     priority = Priority.VERY_LOW

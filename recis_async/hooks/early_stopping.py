@@ -31,6 +31,18 @@ class EarlyStoppingHook(Hook):
     drops below the best by more than ``min_delta``, ``"max"`` when it rises above it; a NaN
     never improves.  ``best``, ``best_step`` and ``wait`` are in ``state_dict`` so a resumed run
     keeps its patience.
+
+    Args:
+        monitor: the metric name to watch.
+        patience: evaluations in a row without improvement before the stop request.
+        mode: "min" (lower is better) or "max".
+        min_delta: how much better than the best a value must be to count as an improvement.
+        source: "eval" (``AfterEval.metrics``) or "step" (training ``AfterStep.metrics``).
+
+    Raises:
+        TypeError: a ``patience`` that is not an int.
+        ValueError: an empty or non-str ``monitor``, a ``patience`` below 1, an unknown
+            ``mode`` or ``source``, a ``min_delta`` that is not a number >= 0.
     """
 
     def __init__(

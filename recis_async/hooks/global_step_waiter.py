@@ -49,6 +49,20 @@ class GlobalStepWaiterHook(Hook):
 
     Do not use it between ranks of synchronous data-parallel training (DDP): every rank takes
     part in each step's collectives, so no rank can run ahead while another waits for it.
+
+    Args:
+        wait_until_step: the shared step to wait for.
+        step_source: a callable (sync or ``async``) returning the shared step, or ``None`` while
+            unknown.
+        poll_interval: seconds between polls.
+        timeout: seconds after which the wait raises ``TimeoutError``; ``None`` waits as long as
+            it takes.
+
+    Raises:
+        TypeError: a ``wait_until_step`` that is not an int, a ``step_source`` that is not
+            callable, an interval that is not a number.
+        ValueError: a negative ``wait_until_step``, a ``poll_interval`` or ``timeout`` that is
+            not positive.
     """
 
     def __init__(

@@ -213,6 +213,11 @@ class HashTableFilterHook(Hook):
     Logged at INFO: each eviction that removed ids (one line for all tables) and a summary
     when the bus closes; evictions that removed nothing, per-table counts and skipped requests
     at DEBUG.  Every count is in ``bus.stats()["services"][name]``.
+
+    Raises:
+        TypeError: ``tables`` or ``model`` of the wrong type.
+        ValueError: neither or both of ``tables``/``model``, a table without a ``filter_hook``,
+            a ``filter_interval`` that is not a positive int or ``None``.
     """
 
     def __init__(

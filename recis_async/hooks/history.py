@@ -71,6 +71,16 @@ class HistorySaverHook(Hook):
     (``history-rank<r>.csv`` when several ranks run), written by a background service, never on
     the step.  A fresh run replaces the file; a restored run rewrites it from the restored
     history, so rows of steps after the checkpoint are not duplicated.
+
+    Args:
+        every_n_step: completed training steps per interval (one row each).
+        output_dir: where ``history.csv`` goes; ``None`` keeps the rows in memory only.
+        loss_key: the name of the loss in ``AfterStep.metrics``.
+
+    Raises:
+        TypeError: an ``every_n_step`` that is not an int.
+        ValueError: an ``every_n_step`` below 1, an unwritable ``output_dir``, an empty
+            ``loss_key``.
     """
 
     def __init__(

@@ -71,6 +71,18 @@ class LoggerHook(Hook):
     rank 0 logs the mean of each numeric metric and of ``sps``, and the sum of ``qps`` (the
     job's samples/s).  ``clock`` (seconds, monotonic) and ``logger`` may be replaced, e.g. in
     tests.
+
+    Args:
+        log_step: steps per log line.
+        all_reduce: reduce the numbers over all ranks before rank 0 logs them.
+        timeout: seconds the all-reduce may take.
+        logger: where the lines go; default ``recis_async.hooks.logger``.
+        clock: a monotonic clock in seconds.
+
+    Raises:
+        TypeError: a ``log_step`` that is not an int, an ``all_reduce`` that is not a bool, a
+            non-callable ``clock``, a ``logger`` that is not a logger.
+        ValueError: a ``log_step`` or ``timeout`` that is not positive.
     """
 
     rank_zero_only = True

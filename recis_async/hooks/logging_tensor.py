@@ -43,6 +43,17 @@ class LoggingTensorHook(Hook):
     as ``n/a`` and is warned about once.  One INFO line per log::
 
         global_step=99 loss = 0.6931, auc = 0.71 (1.52 sec)
+
+    Args:
+        names: metric names to log, looked up in ``metrics`` then ``tracked``.
+        every_n_iter: log the first training step, then every n-th.
+        every_n_secs: log the first training step, then at most once every that many seconds
+            (counted by the bus's ``every_seconds`` filter).
+
+    Raises:
+        TypeError: ``names`` not a list of names.
+        ValueError: an empty ``names``, both or neither of ``every_n_iter`` / ``every_n_secs``,
+            a non-positive interval.
     """
 
     def __init__(

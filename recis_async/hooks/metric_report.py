@@ -64,6 +64,16 @@ class MetricReportHook(Hook):
     """Report throughput, step-time split, parameter counts and hash-table sizes of ``model``.
 
     ``clock`` (seconds, monotonic) may be replaced, e.g. in tests.
+
+    Args:
+        model: the model whose parameters and hash tables are counted.
+        report_args: what to report and how often (:class:`ReportArguments`).
+        logger: where the report lines go.
+        clock: a monotonic clock in seconds.
+
+    Raises:
+        TypeError: a ``model`` that is not a ``torch.nn.Module``, ``report_args`` of another
+            type, a non-callable ``clock``.
     """
 
     def __init__(

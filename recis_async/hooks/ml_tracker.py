@@ -45,6 +45,22 @@ class MLTrackerHook(Hook):
     into a full buffer waits: backpressure), ``flush_interval`` is the longest a value waits
     before it is sent.  A failing tracker follows ``on_error``; records it could not take are
     kept in a spill file under ``spill_dir``.  Rank 0 only by default.
+
+    Args:
+        project: the project (MLflow experiment).
+        name: the run's name.
+        config: the run's parameters, flattened to ``a.b`` names.
+        id: an existing run to resume.
+        tracker: where records go; default a ``JsonlTracker`` under ``./ml_tracker``.
+        max_buffer_bytes: bytes that may wait for the tracker before a step waits.
+        flush_interval: the longest a value waits before it is sent, in seconds.
+        on_error: what a failing tracker does: ``"raise"``, ``"log"`` or ``"disable"``.
+        spill_dir: where records the tracker could not take are kept.
+
+    Raises:
+        TypeError: a ``tracker`` that is not a Tracker, a ``config`` that is not a mapping.
+        ValueError: an invalid project or run name, parameter name, buffer size, interval or
+            ``on_error``.
     """
 
     rank_zero_only = True

@@ -38,6 +38,15 @@ class NanTensorHook(Hook):
     lower-priority hooks such as the checkpoint saver see the step); otherwise log a warning
     and request a stop.  A training step without the loss metric is an error too: a monitor
     that silently sees nothing protects nothing.
+
+    Args:
+        fail_on_nan_loss: raise :class:`NanLossError` (``True``) or log and request a stop.
+        loss_key: the name of the loss in ``AfterStep.metrics``.
+
+    Raises:
+        TypeError: a ``fail_on_nan_loss`` that is not a bool (TensorFlow's loss tensor
+            argument is named in the message).
+        ValueError: an empty or non-str ``loss_key``.
     """
 
     priority = Priority.VERY_HIGH

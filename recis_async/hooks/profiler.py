@@ -53,6 +53,17 @@ class ProfilerHook(Hook):
     ``wait``, ``warmup``, ``active`` and ``repeat`` are ``torch.profiler.schedule``'s
     (``repeat=0`` repeats until the run ends).  CPU activity is always recorded, CUDA too
     when available, with shapes, memory and FLOPs as in RecIS.
+
+    Args:
+        wait: steps skipped at the start of each cycle.
+        warmup: steps profiled but discarded.
+        active: steps recorded and exported.
+        repeat: cycles; 0 repeats until the run ends.
+        output_dir: where the Chrome traces go (created if missing).
+
+    Raises:
+        ValueError: a schedule value that is not an int >= 0 (``active``: >= 1), an
+            unwritable ``output_dir``.
     """
 
     def __init__(

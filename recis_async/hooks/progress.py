@@ -26,6 +26,20 @@ class ProgressBarHook(Hook):
     writing to stdout, stderr or ``file``) are written through tqdm, so each sits on its own
     line above the bar, in a terminal and in a redirected file alike.  Rank 0 only.
     Needs the ``progress`` extra: ``pip install 'recis_async[progress]'``.
+
+    Args:
+        total: steps of the whole run, for the ETA; the Trainer fills it in when ``None``.
+        desc: the bar's label.
+        metrics: the metric names shown in the postfix; default all numeric ones.
+        file: where the bar is drawn; default stderr.
+        leave: keep the finished bar on screen.
+        mininterval: seconds between redraws.
+
+    Raises:
+        ImportError: tqdm is not installed (the ``progress`` extra).
+        TypeError: a ``total`` that is not an int, ``metrics``, ``desc`` or ``file`` of the
+            wrong type.
+        ValueError: a ``total`` below 1.
     """
 
     rank_zero_only = True

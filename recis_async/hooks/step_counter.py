@@ -25,6 +25,13 @@ class StepCounterHook(Hook):
     ``AfterStep`` of that step: the steps ``first + n``, ``first + 2n``, ... carry the rate of
     the ``n`` steps before them.  Time spent in evaluation steps is not counted.  Each rate is
     also logged at INFO.
+
+    Args:
+        every_n_steps: completed training steps per measured interval.
+
+    Raises:
+        TypeError: an ``every_n_steps`` that is not an int.
+        ValueError: one that is not positive.
     """
 
     def __init__(self, every_n_steps: int = 100) -> None:

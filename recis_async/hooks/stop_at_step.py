@@ -24,6 +24,14 @@ class StopAtStepHook(Hook):
     ``AfterStep`` of the last step, so the loop stops at that boundary.  A run restored at or
     past ``last_step`` is stopped at ``AfterLoadCheckpoint``, before its first step; a loop
     that starts past it without a restore is told at its first ``BeforeStep``.
+
+    Args:
+        num_steps: training steps to run from the first one this hook sees.
+        last_step: completed training steps after which to stop.
+
+    Raises:
+        TypeError: a step count that is not an int.
+        ValueError: both or neither given, or a count that is not positive.
     """
 
     priority = Priority.HIGH  # decide before hooks that act on the stop at the same step

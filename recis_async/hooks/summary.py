@@ -32,7 +32,18 @@ __all__ = ["SummarySaverHook"]
 
 
 class SummarySaverHook(Hook):
-    """Write scalars and histograms to TensorBoard event files in ``output_dir`` (rank 0)."""
+    """Write scalars and histograms to TensorBoard event files in ``output_dir`` (rank 0).
+
+    Args:
+        save_steps: write every this many training steps (counted by the bus's filter).
+        output_dir: where the event files go.
+        model: also write a histogram of every parameter.
+        max_buffer_bytes: bytes of summaries that may wait for the writer.
+
+    Raises:
+        TypeError: a ``save_steps`` that is not an int, a ``model`` that is not a module.
+        ValueError: a ``save_steps`` below 1, an unwritable ``output_dir``, a bad buffer size.
+    """
 
     rank_zero_only = True
 

@@ -39,16 +39,29 @@ _STEPS = ("all", "train", "eval")
 class TraceHook(Hook):
     """Write every step's trace columns to ``sink`` in the background.
 
-    ``fields``/``types``: the table's columns and their ODPS types (see
-    :mod:`recis_async.trace.schema`).  ``worker_num``: concurrent writes.  ``size_threshold``:
-    bytes buffered before a batch is sealed.  ``max_age``: seconds after which a non-empty
-    buffer is sealed anyway (None: only by size, and at close).  ``retries`` /
-    ``retry_backoff``: transient failures are retried this many times, backing off
-    exponentially from this many seconds.  ``spill_dir``: where undeliverable batches are
-    kept (default ``./trace_spill``).  ``steps``: which steps are traced -- ``"all"`` (the
-    default, as RecIS, whose ``evaluate()`` calls ``after_step`` too), ``"train"`` or
-    ``"eval"`` (e.g. one hook per table); to keep both in one table and tell them apart,
-    trace the step's ``is_train`` as a column.
+    To keep training and evaluation rows in one table and tell them apart, trace the step's
+    ``is_train`` as a column.
+
+    Args:
+        sink: where batches go (:class:`~recis_async.sinks.ParquetSink`,
+            :class:`~recis_async.sinks.OdpsSink`, or any :class:`~recis_async.sinks.Sink`).
+        fields: the table's column names.
+        types: their ODPS types (see :mod:`recis_async.trace.schema`).
+        worker_num: concurrent writes.
+        size_threshold: bytes buffered before a batch is sealed and handed to a writer.
+        max_age: seconds after which a non-empty buffer is sealed anyway (``None``: only by
+            size, and at close).
+        retries: how many times a transient failure is retried.
+        retry_backoff: the first retry's delay in seconds, doubled each time.
+        spill_dir: where undeliverable batches are kept (default ``./trace_spill``).
+        steps: which steps are traced: ``"all"`` (as RecIS, whose ``evaluate()`` calls
+            ``after_step`` too), ``"train"`` or ``"eval"`` (e.g. one hook per table).
+
+    Raises:
+        TypeError: a ``sink`` that is not a Sink, a count of the wrong type.
+        ValueError: fields and types of different lengths, an unknown type, a field the sink
+            cannot take, a count or interval out of range, an unknown ``steps``, an unusable
+            ``spill_dir``.
     """
 
     def __init__(
@@ -158,6 +171,19 @@ class TraceToOdpsHook(TraceHook):
     ``config`` keys: ``access_id``, ``access_key``, ``project``, ``end_point``,
     ``table_name``; optional ``partition`` and ``tunnel_endpoint``.  Credentials may instead
     come from ``ALIBABA_CLOUD_ACCESS_KEY_ID`` / ``ALIBABA_CLOUD_ACCESS_KEY_SECRET``.
+
+    Args:
+        config: RecIS's config dict (keys above).
+        fields: the table's column names.
+        types: their ODPS types.
+        worker_num: concurrent uploads.
+        size_threshold: bytes buffered before a batch is uploaded.
+        max_age: seconds after which a non-empty buffer is uploaded anyway.
+        kwargs: the other arguments of :class:`TraceHook`.
+
+    Raises:
+        ValueError: a config key missing or unknown (the message never shows the secret), and
+            what :class:`TraceHook` refuses.
     """
 
     def __init__(

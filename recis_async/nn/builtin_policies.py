@@ -26,6 +26,12 @@ class GlobalStepFilter(FilterPolicy):
 
     ``last_seen`` is the clock value of the latest *training* lookup of the id (insertion
     counts); eval lookups do not stamp.
+
+    Args:
+        filter_step: training steps an id may go unseen before it is evicted.
+
+    Raises:
+        ValueError: a ``filter_step`` that is not an int >= 0.
     """
 
     state_keys = ("last_seen", "clock")

@@ -91,6 +91,12 @@ class DynamicEmbedding(nn.Module):
 
     ``sum`` adds the rows of a bag; ``mean`` divides by the number of ids in the bag (ids
     without a row count, as zero rows).  Empty bags give zeros.
+
+    Args:
+        option: the table's shape, policies and combiner (:class:`EmbeddingOption`).
+
+    Raises:
+        TypeError: an ``option`` that is not an :class:`EmbeddingOption`.
     """
 
     def __init__(self, option: EmbeddingOption) -> None:

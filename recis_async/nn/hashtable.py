@@ -128,6 +128,11 @@ class HashTable(nn.Module):
     Optimizers that keep per-parameter state (Adam, SGD with momentum) must be told about
     the table with :meth:`attach_optimizer` so that growth pads their state and a reused
     row starts from zero state.
+
+    Raises:
+        ValueError: an argument of the wrong type or value (a non-floating ``dtype``, a
+            non-callable ``initializer``, an empty ``name``, a ``capacity`` below 1), a policy
+            the registry does not know.
     """
 
     def __init__(

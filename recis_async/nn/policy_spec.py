@@ -66,6 +66,13 @@ class AdmitHook(_PolicyHook):
     """Admission policy of a table: decides whether unseen ids get a row.
 
     ``AdmitHook("ReadOnly")`` never inserts: unknown ids read as zeros.
+
+    Args:
+        name: a registered admission policy (see :class:`PolicyRegistry`).
+        params: its JSON-able parameters.
+
+    Raises:
+        ValueError: an empty ``name``, ``params`` that are not a mapping of JSON-able values.
     """
 
     __slots__ = ()
@@ -80,6 +87,13 @@ class FilterHook(_PolicyHook):
 
     ``FilterHook("GlobalStepFilter", {"filter_step": 20})`` evicts ids not looked up in
     training for more than 20 steps.
+
+    Args:
+        name: a registered filter policy (see :class:`PolicyRegistry`).
+        params: its JSON-able parameters.
+
+    Raises:
+        ValueError: an empty ``name``, ``params`` that are not a mapping of JSON-able values.
     """
 
     __slots__ = ()

@@ -62,7 +62,16 @@ def _build(table: Mapping[str, type[_P]], hook: AdmitHook | FilterHook, kind: st
 
 
 class PolicyRegistry:
-    """An immutable set of admission and filter policy classes, by name."""
+    """An immutable set of admission and filter policy classes, by name.
+
+    Args:
+        admit: admission policy classes by name.
+        filter: filter policy classes by name.
+
+    Raises:
+        TypeError: a class that does not implement its policy protocol.
+        ValueError: an empty or duplicate name.
+    """
 
     __slots__ = ("_admit", "_filter")
 

@@ -36,6 +36,10 @@ class Attempt:
     Thread-safe: the sink uses it from a worker thread while the writer may abandon it from
     the event loop.  Whoever runs the ``write`` call :meth:`finish` es the attempt, so a
     writer that abandoned it can wait for a commit already under way to end.
+
+    Args:
+        in_doubt: the token of an earlier attempt whose outcome is unknown, for the sink to
+            settle first.
     """
 
     __slots__ = ("_lock", "_token", "_abandoned", "_delivered", "done")

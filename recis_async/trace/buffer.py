@@ -83,6 +83,14 @@ class ColumnBuffer:
     """Validated, byte-counted rows waiting to be sealed into a :class:`Batch`.
 
     Not thread-safe: it lives on the event loop with the hook that feeds it.
+
+    Args:
+        fields: the column names.
+        types: their ODPS types (see :mod:`recis_async.trace.schema`).
+
+    Raises:
+        ValueError: fields and types of different lengths, a duplicate or empty name, an unknown
+            type.
     """
 
     def __init__(self, fields: Sequence[str], types: Sequence[str]) -> None:

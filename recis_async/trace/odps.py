@@ -220,10 +220,15 @@ def _endpoint(config: Mapping[str, Any], key: str) -> str | None:
 class OdpsSink:
     """Upload batches to ``config["table_name"]`` in ``config["project"]``.
 
-    ``config`` keys (as in RecIS): ``access_id``, ``access_key``, ``project``,
-    ``end_point``, ``table_name``; optional ``partition`` (``"dt=20261122"`` or
-    ``"dt=20261122,hour=10"``) and ``tunnel_endpoint``.  Missing or malformed keys raise
-    ``ValueError`` here, not in a worker.
+    Args:
+        config: as in RecIS: ``access_id``, ``access_key``, ``project``, ``end_point``,
+            ``table_name``; optional ``partition`` (``"dt=20261122"`` or
+            ``"dt=20261122,hour=10"``) and ``tunnel_endpoint``.  Credentials may come from
+            ``ALIBABA_CLOUD_ACCESS_KEY_ID`` / ``ALIBABA_CLOUD_ACCESS_KEY_SECRET`` instead.
+
+    Raises:
+        ValueError: a missing, unknown or malformed key -- here, not in a worker; the
+            message never contains a credential.
     """
 
     def __init__(self, config: Mapping[str, Any]) -> None:

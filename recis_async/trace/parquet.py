@@ -43,12 +43,23 @@ _PERMANENT_ERRNOS = frozenset(
 class ParquetSink:
     """Write each batch as one Parquet file under ``root/table/<partition folders>``.
 
-    ``partition``: ``"dt=20261122"``, ``"dt=20261122,hour=10"`` or a mapping.
-    ``rank``: the number in file names; by default :func:`recis_async.dist.get_rank` when
-    the sink opens.  ``compression``, ``use_dictionary`` and ``row_group_size`` (rows) are
-    passed to :func:`pyarrow.parquet.write_table`; the defaults favour throughput and keep
-    the writer's encoding buffers small.  ``fsync``: flush
-    each file and its folder to disk before counting it as delivered.
+    Args:
+        root: the dataset's root directory.
+        table: the table's folder under ``root``.
+        partition: ``"dt=20261122"``, ``"dt=20261122,hour=10"`` or a mapping; folders
+            ``dt=.../hour=...`` as Hive and pyarrow datasets read them.
+        rank: the number in file names; by default :func:`recis_async.dist.get_rank` when
+            the sink opens.
+        compression: passed to :func:`pyarrow.parquet.write_table`.
+        use_dictionary: passed to it too; off by default: it favours throughput and keeps
+            the writer's encoding buffers small.
+        row_group_size: rows per row group (passed on).
+        fsync: flush each file and its folder to disk before counting it as delivered.
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: an empty ``table``, a malformed ``partition``, a negative ``rank``, an
+            unknown ``compression``, a non-positive ``row_group_size``.
     """
 
     def __init__(

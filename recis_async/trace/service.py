@@ -82,12 +82,24 @@ def _write(sink: Sink, batch: Batch, attempt: Attempt) -> None:
 class TraceWriter:
     """Deliver sealed :class:`~recis_async.trace.buffer.Batch` es to ``sink`` in the background.
 
-    ``retries``: extra attempts per batch after a transient failure, waiting
-    ``retry_backoff * 2**n`` seconds (capped at ``max_backoff``, with jitter) between them.
-    ``spill_dir``: where undeliverable batches go (default ``./trace_spill``).
-    ``source``: the upstream buffer; sealed at close (and by the ``max_age`` timer once its
-    oldest row is that many seconds old) and reported in :meth:`stats`.
-    ``commit_wait``: how long an abandoned upload that was already committing is waited for.
+    Args:
+        sink: where batches go.
+        worker_num: concurrent ``sink.write`` calls, each in a worker thread.
+        retries: extra attempts per batch after a transient failure.
+        retry_backoff: seconds before the first retry, doubled each time (with jitter).
+        max_backoff: the longest wait between retries.
+        commit_wait: how long an abandoned upload that was already committing is waited for,
+            so its outcome is known before the batch is retried or spilled.
+        spill_dir: where undeliverable batches go (default ``./trace_spill``).
+        source: the upstream buffer; sealed at close (and by the ``max_age`` timer once its
+            oldest row is that many seconds old) and reported in :meth:`stats`.
+        max_age: seconds after which ``source`` is sealed even below its threshold.
+        name: the service's name (default ``trace:<sink name>``).
+        owner: the class named in argument errors (the hook that builds the writer).
+
+    Raises:
+        TypeError: a count or interval of the wrong type.
+        ValueError: a count or interval out of range, an unusable ``spill_dir``.
     """
 
     def __init__(

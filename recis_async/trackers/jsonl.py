@@ -56,7 +56,11 @@ def read_records(path: str | os.PathLike[str]) -> list[StepRecord]:
 
 
 class JsonlTracker:
-    """Write runs as JSON files under ``root``; needs nothing beyond msgspec."""
+    """Write runs as JSON files under ``root``; needs nothing beyond msgspec.
+
+    Args:
+        root: the directory holding ``<project>/<run>/`` folders.
+    """
 
     def __init__(self, root: str | os.PathLike[str] = "ml_tracker") -> None:
         root_path = Path(creatable_dir("JsonlTracker", "root", root))

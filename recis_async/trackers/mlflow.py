@@ -104,6 +104,14 @@ class MlflowTracker(SubprocessTracker):
 
     The child is a fresh interpreter importing mlflow and this module only (see
     :class:`SubprocessTracker`).
+
+    Args:
+        tracking_uri: as above; ``None`` uses mlflow's default.
+        artifact_location: where a new experiment keeps artifacts.
+        tags: tags set on the run.
+
+    Raises:
+        ImportError: mlflow is not installed (the ``mlflow`` extra): here, not in the child.
     """
 
     def __init__(
@@ -132,7 +140,16 @@ class MlflowTracker(SubprocessTracker):
 
 class MlflowClientTracker:
     """:class:`MlflowTracker`'s work in the calling process (its worker thread holds the GIL
-    while the client runs: see the module docs)."""
+    while the client runs: see the module docs).
+
+    Args:
+        tracking_uri: as for :class:`MlflowTracker`.
+        artifact_location: where a new experiment keeps artifacts.
+        tags: tags set on the run.
+
+    Raises:
+        ImportError: mlflow is not installed (the ``mlflow`` extra).
+    """
 
     def __init__(
         self,

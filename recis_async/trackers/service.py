@@ -85,7 +85,21 @@ def default_spill_dir() -> Path:
 
 
 class TrackerService:
-    """Background flusher between hooks and one tracker (implements the bus's ``Service``)."""
+    """Background flusher between hooks and one tracker (implements the bus's ``Service``).
+
+    Args:
+        tracker: where records go.
+        run: the run to start (:class:`~recis_async.trackers.RunSpec`).
+        name: the service's name.
+        max_buffer_bytes: bytes that may wait before ``put`` waits (backpressure).
+        flush_interval: the longest a record waits before it is sent, in seconds.
+        on_error: what a failing tracker does: ``"raise"``, ``"log"`` or ``"disable"``.
+        spill_dir: where records the tracker could not take are kept.
+        default_status: the run's status at close if ``End`` never came.
+
+    Raises:
+        ValueError: a buffer size, interval or ``on_error`` out of range.
+    """
 
     def __init__(
         self,

@@ -153,7 +153,18 @@ def _serve(conn: Connection, factory_pickle: bytes) -> bool:
 
 
 class SubprocessTracker:
-    """A :class:`~recis_async.trackers.Tracker` that runs ``factory()`` in a child process."""
+    """A :class:`~recis_async.trackers.Tracker` that runs ``factory()`` in a child process.
+
+    Args:
+        factory: builds the tracker in the child; a picklable callable defined in an importable
+            module (not ``__main__``).
+        call_timeout: seconds one call may take before the child is killed.
+
+    Raises:
+        TypeError: a ``factory`` that is not callable.
+        ValueError: a ``factory`` defined in ``__main__`` or not picklable, a ``call_timeout``
+            that is not positive.
+    """
 
     def __init__(self, factory: Callable[[], Tracker], *, call_timeout: float = 300.0) -> None:
         if not callable(factory):

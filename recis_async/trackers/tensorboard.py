@@ -55,6 +55,13 @@ class TensorBoardTracker:
     With ``subdir=True`` (the default) each run gets its own folder
     ``<log_dir>/<run_id or name>`` so TensorBoard shows runs side by side; with
     ``subdir=False`` events go straight into ``log_dir``.
+
+    Args:
+        log_dir: where the event files go.
+        subdir: give each run a folder of its own under ``log_dir``.
+
+    Raises:
+        ImportError: tensorboard is not installed (the ``tensorboard`` extra).
     """
 
     def __init__(self, log_dir: str | os.PathLike[str], *, subdir: bool = True) -> None:
