@@ -48,11 +48,9 @@ logger = logging.getLogger(__name__)
 E = TypeVar("E", bound=Event)
 F = TypeVar("F", bound=Callable[..., Any])
 
-# While publishing, hand the loop to background services at most this often.  A loop pass
-# right after a model's compute costs 30-200 us (cold caches, a syscall), so yielding at
-# every ~3 ms step cost ~1 % of training; every 100 ms is ample for batch hand-overs (a
-# hook that hands one over yields itself), thread completions and periodic flushes
-# (benchmarks/bench_trace.py).
+# While publishing, hand the loop to background services at most this often: a loop pass at
+# every step costs training measurably, and a hook that hands work over yields itself
+# (figures: benchmarks/README.md, "Bus yields").
 _YIELD_EVERY_S = 0.1
 _CLOSE_GRACE_S = 5.0  # a service that ignores its deadline is abandoned this much later
 
@@ -538,7 +536,7 @@ class HookBus:
         instead of stopping at the first (``End`` and ``Error``, and everything at close).
 
         ``publish`` keeps its own copy of this loop on purpose: calling through here would
-        add a coroutine to every publish, about 10 % of its cost (benchmarks/bench_dispatch.py).
+        add a coroutine to every publish (benchmarks/README.md, "Publish without a helper").
         """
         if isinstance(event, End):
             self._end_published = True

@@ -75,8 +75,8 @@ class StepEvent(Event, frozen=True, kw_only=True):
     epoch: NonNegativeInt = 0
 
     def __post_init__(self) -> None:
-        # Several of these are built every step: the checks are written out (a call per
-        # field costs ~2x, a generic msgspec check ~4x more).
+        # Several of these are built every step: the checks are written out (cheaper than a
+        # call per field or a generic msgspec check: benchmarks/README.md, "Event checks").
         v: Any = self.is_train
         if v is not True and v is not False:
             raise _bad(self, "is_train", "bool", v)

@@ -1,10 +1,9 @@
 """Buffers for the table's large tensors: huge pages, and growth without copying.
 
 A table grows by giving its rows (and its optimizer's row state) a bigger buffer, and a
-dense gradient is a fresh ``[capacity, dim]`` buffer every step.  Measured on the 2-core
-virtual machine this project runs on, first-touch page faults made allocating a 96 MiB
-buffer cost several times more than copying it, and growing a table of 1M rows of dim 16 took
-about 150 ms.  So:
+dense gradient is a fresh ``[capacity, dim]`` buffer every step.  First-touch page faults
+made allocating a large buffer cost several times more than copying it (benchmarks/README.md,
+"Table growth without copies").  So:
 
 * buffers of 4 MiB and more come from a private anonymous mapping advised to use 2 MiB pages
   (``MADV_HUGEPAGE``); its pages read as zeros without being written;

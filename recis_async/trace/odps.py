@@ -567,8 +567,9 @@ class _Redactor(logging.Filter):
 class _Crc32c:
     """pyodps's checksum interface (``update`` / ``getvalue`` / ``reset``) computed by the
     ``crc32c`` package: with the CPU's CRC instruction and the GIL released.  pyodps's own
-    runs in software holding the GIL, two passes over every uploaded byte: ~0.3 s of GIL a
-    50 MiB batch, during which the training thread waits at each of its torch calls."""
+    runs in software holding the GIL, two passes over every uploaded byte, during which the
+    training thread waits at each of its torch calls (benchmarks/README.md, "Block
+    checksums")."""
 
     __slots__ = ("_value",)
 

@@ -1,9 +1,8 @@
 """MlflowTracker: runs in an MLflow tracking store through ``MlflowClient``, in a child process.
 
-MLflow's client is Python through and through (the sqlite store spends ~7 ms per request and
-~50 us per metric in SQLAlchemy); in a worker thread of the training process it holds the
-GIL that long, and the training thread, which takes the GIL back after every torch op, waits
-for it: ~2-3 % of the steps at a few hundred metrics a second.  :class:`MlflowTracker`
+MLflow's client is Python through and through; in a worker thread of the training process
+it holds the GIL for each request, and the training thread, which takes the GIL back after
+every torch op, waits for it (figures: benchmarks/README.md, "MLflow in a child process").  :class:`MlflowTracker`
 therefore runs :class:`MlflowClientTracker` (the client itself) in a child process through
 :class:`~recis_async.trackers.SubprocessTracker`; the training process only encodes each
 batch and writes it to a pipe.  ``MlflowClientTracker`` is the same tracker in-process, for
