@@ -5,8 +5,8 @@ holds the GIL for each request, and the training thread, which takes the GIL bac
 torch op, waits for it (figures: benchmarks/README.md, "MLflow in a child process").
 :class:`MlflowTracker` therefore runs :class:`MlflowClientTracker` (the client itself) in a
 child process through :class:`~recis_async.trackers.SubprocessTracker`; the training process
-only encodes each batch and writes it to a pipe. ``MlflowClientTracker`` is the same tracker in-
-process, for callers that cannot start a process.
+only encodes each batch and writes it to a pipe.  ``MlflowClientTracker`` is the same tracker
+in-process, for callers that cannot start a process.
 
 ``project`` is the experiment, ``name`` the run name, ``run_id`` resumes a run.  Scalars are
 metrics sent with ``log_batch`` in requests of at most 1000 metrics and about 1 MB (MLflow's
