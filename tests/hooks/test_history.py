@@ -1,14 +1,10 @@
-"""HistorySaverHook (rows, CSV read back with csv and pandas, restore without duplicates) and
-ProgressBarHook (tqdm output captured)."""
+"""HistorySaverHook: rows, the CSV read back with csv and pandas, restore without duplicates."""
 
 from __future__ import annotations
 
 import csv
-import io
 import os
-import sys
 from pathlib import Path
-from typing import Any
 
 import pandas as pd
 import pytest
@@ -19,7 +15,6 @@ from recis_async.events import AfterStep, BeforeStep
 from recis_async.hooks import (
     CheckpointSaverHook,
     HistorySaverHook,
-    ProgressBarHook,
     restore_checkpoint,
 )
 
@@ -45,9 +40,6 @@ async def loop(bus: HookBus, losses: list[float], first: int = 0, samples: int =
 def read_csv(path: Path) -> list[dict[str, str]]:
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
-
-
-# ---------------------------------------------------------------------- HistorySaverHook
 
 
 async def test_history_rows_and_csv_read_back(tmp_path: Path) -> None:
@@ -202,91 +194,3 @@ def test_history_bad_input(tmp_path: Path) -> None:
     a_file.write_text("")
     with pytest.raises(ValueError, match=r"output_dir=...\): expected a writable directory, got"):
         HistorySaverHook(every_n_step=1, output_dir=a_file)
-
-
-# ---------------------------------------------------------------------- ProgressBarHook
-
-
-def bar_trainer(hooks: list[Hook], n: int = 5, **kwargs: Any) -> Trainer:
-    model = Reg()
-    return Trainer(
-        model,
-        TrainingArguments(**{"save_steps": None, **kwargs}),
-        train_dataset=[{"x": torch.randn(4, 3), "y": torch.randn(4)} for _ in range(n)],
-        hooks=hooks,
-        dense_optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None),
-    )
-
-
-async def test_progress_bar_total_from_train_steps_with_eta_and_metrics() -> None:
-    out = io.StringIO()
-    bar = ProgressBarHook(file=out, mininterval=1e-9)
-    await bar_trainer([bar], n=10, train_steps=4).train()
-    assert bar.total == 4
-    text = out.getvalue()
-    frames = [f for f in text.replace("\n", "\r").split("\r") if f.strip()]
-    assert frames[0].startswith("Training:   0%|") and "0/4" in frames[0]
-    assert "4/4" in frames[-1] and "100%" in frames[-1]
-    assert "loss=" in frames[-1]
-    assert any("2/4 [" in f and "<" in f for f in frames)  # elapsed<remaining: the ETA
-
-
-async def test_progress_bar_total_from_epochs_and_length() -> None:
-    out = io.StringIO()
-    bar = ProgressBarHook(file=out, metrics=["loss"])
-    await bar_trainer([bar], n=3, train_epoch=2).train()
-    assert bar.total == 6
-    assert "6/6" in out.getvalue()
-
-
-async def test_progress_bar_starts_at_the_restored_step(tmp_path: Path) -> None:
-    out = io.StringIO()
-    first = bar_trainer([], n=3, output_dir=str(tmp_path), save_steps=3)
-    await first.train()
-    bar = ProgressBarHook(file=out, mininterval=1e-9)
-    resumed = bar_trainer([bar], n=3, output_dir=str(tmp_path), save_steps=3, train_steps=5)
-    await resumed.train(resume_from_checkpoint=True)
-    frames = [f for f in out.getvalue().replace("\n", "\r").split("\r") if f.strip()]
-    assert "3/5" in frames[0] and "5/5" in frames[-1]
-
-
-async def test_progress_bar_given_total_is_kept_and_rank_zero_only(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    out = io.StringIO()
-    bar = ProgressBarHook(total=50, file=out)
-    await bar_trainer([bar], n=2).train()
-    assert bar.total == 50 and "2/50" in out.getvalue()
-
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    quiet = io.StringIO()
-    async with HookBus() as bus:
-        bus.add_hook(ProgressBarHook(file=quiet))
-        assert bus.hooks == ()
-        await loop(bus, [1.0])
-    assert quiet.getvalue() == ""
-
-
-def test_progress_bar_without_tqdm_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "tqdm", None)  # `import tqdm` now raises ImportError
-    with pytest.raises(ImportError, match=r"pip install 'recis_async\[progress\]'"):
-        ProgressBarHook()
-
-
-def test_progress_bar_bad_input() -> None:
-    with pytest.raises(
-        ValueError, match=r"ProgressBarHook\(total=...\): expected a positive int, got 0"
-    ):
-        ProgressBarHook(total=0)
-    with pytest.raises(TypeError, match=r"metrics=...\): expected a list of names, got 'loss'"):
-        ProgressBarHook(metrics="loss")
-    for bad in (3, [3], [""]):
-        with pytest.raises(TypeError, match=r"metrics=...\): expected a list of names, got"):
-            ProgressBarHook(metrics=bad)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"ProgressBarHook\(file=...\): expected a text stream"):
-        ProgressBarHook(file=3)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"ProgressBarHook\(leave=...\): expected a bool, got 'no'"):
-        ProgressBarHook(leave="no")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"ProgressBarHook\(desc=...\): expected a str, got 3"):
-        ProgressBarHook(desc=3)  # type: ignore[arg-type]
