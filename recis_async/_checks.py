@@ -62,47 +62,43 @@ def stateful(owner: str, field: str, value: Any, *, optional: bool) -> None:
         raise TypeError(f"{owner}({field}=...): expected {expected}, got {value!r}")
 
 
-def _int(owner: str, field: str, value: Any, expected: str) -> int:
+def _at_least(owner: str, field: str, value: Any, minimum: int, expected: str) -> int:
+    """An int >= ``minimum``: ``TypeError`` for another type (``True`` and ``2.0`` included),
+    ``ValueError`` for a smaller one."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{owner}({field}=...): expected {expected}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{owner}({field}=...): expected {expected}, got {value!r}")
     return value
 
 
-def _number(owner: str, field: str, value: Any, expected: str) -> float:
+def _finite(owner: str, field: str, value: Any, positive: bool, expected: str) -> float:
+    """A finite number, > 0 or >= 0: ``TypeError`` for a non-number, else ``ValueError``."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{owner}({field}=...): expected {expected}, got {value!r}")
-    if not math.isfinite(value):
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
         raise ValueError(f"{owner}({field}=...): expected {expected}, got {value!r}")
     return float(value)
 
 
 def positive_int(owner: str, field: str, value: Any) -> int:
-    """``value`` as an int > 0: ``TypeError`` for another type (``True`` and ``2.0``
-    included), ``ValueError`` for 0 or less; both say ``Owner(field=...): expected ...``."""
-    if _int(owner, field, value, "a positive int") <= 0:
-        raise ValueError(f"{owner}({field}=...): expected a positive int, got {value!r}")
-    return int(value)
+    """``value`` as an int > 0; errors say ``Owner(field=...): expected ..., got ...``."""
+    return _at_least(owner, field, value, 1, "a positive int")
 
 
 def non_negative_int(owner: str, field: str, value: Any) -> int:
-    """``value`` as an int >= 0 (errors as :func:`positive_int`)."""
-    if _int(owner, field, value, "an int >= 0") < 0:
-        raise ValueError(f"{owner}({field}=...): expected an int >= 0, got {value!r}")
-    return int(value)
+    """``value`` as an int >= 0."""
+    return _at_least(owner, field, value, 0, "an int >= 0")
 
 
 def positive_number(owner: str, field: str, value: Any) -> float:
-    """``value`` as a finite float > 0 (``TypeError`` for a non-number)."""
-    if _number(owner, field, value, "a positive number") <= 0:
-        raise ValueError(f"{owner}({field}=...): expected a positive number, got {value!r}")
-    return float(value)
+    """``value`` as a finite float > 0."""
+    return _finite(owner, field, value, True, "a positive number")
 
 
 def non_negative_number(owner: str, field: str, value: Any) -> float:
-    """``value`` as a finite float >= 0 (``TypeError`` for a non-number)."""
-    if _number(owner, field, value, "a number >= 0") < 0:
-        raise ValueError(f"{owner}({field}=...): expected a number >= 0, got {value!r}")
-    return float(value)
+    """``value`` as a finite float >= 0."""
+    return _finite(owner, field, value, False, "a number >= 0")
 
 
 def one_of(owner: str, field: str, value: Any, choices: tuple[str, ...]) -> str:

@@ -8,20 +8,7 @@ The hook (when to save, what a checkpoint holds) is :mod:`recis_async.hooks.chec
 ``CHECKPOINT_FORMAT`` is the format tag a checkpoint file carries.
 """
 
-from .files import (
-    CHECKPOINT_FORMAT,
-    checkpoint_path,
-    latest_checkpoint,
-    latest_checkpoint_step,
-    list_checkpoints,
-    restore_checkpoint,
-)
+from . import files as _files
+from .files import *  # noqa: F403
 
-__all__ = [
-    "CHECKPOINT_FORMAT",
-    "checkpoint_path",
-    "latest_checkpoint",
-    "latest_checkpoint_step",
-    "list_checkpoints",
-    "restore_checkpoint",
-]
+__all__ = _files.__all__

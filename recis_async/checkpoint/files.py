@@ -30,8 +30,6 @@ __all__ = [
     "latest_checkpoint",
     "latest_checkpoint_step",
     "list_checkpoints",
-    "load",
-    "remove_stale_temporaries",
     "restore_checkpoint",
 ]
 

@@ -20,6 +20,16 @@ class _PolicyHook:
     __slots__ = ("_name", "_params")
 
     def __init__(self, name: str, params: Mapping[str, Any] | None = None) -> None:
+        """Describe the policy registered as ``name`` with ``params``.
+
+        Args:
+            name: a policy registered in the table's :class:`PolicyRegistry`.
+            params: its JSON-able parameters (copied and frozen).
+
+        Raises:
+            ValueError: an empty ``name``, ``params`` that are not a mapping of JSON-able
+                values.
+        """
         kind = type(self).__name__
         if not isinstance(name, str) or not name:
             raise ValueError(f"{kind}.name: expected a non-empty str, got {name!r}")
@@ -67,12 +77,6 @@ class AdmitHook(_PolicyHook):
 
     ``AdmitHook("ReadOnly")`` never inserts: unknown ids read as zeros.
 
-    Args:
-        name: a registered admission policy (see :class:`PolicyRegistry`).
-        params: its JSON-able parameters.
-
-    Raises:
-        ValueError: an empty ``name``, ``params`` that are not a mapping of JSON-able values.
     """
 
     __slots__ = ()
@@ -88,12 +92,6 @@ class FilterHook(_PolicyHook):
     ``FilterHook("GlobalStepFilter", {"filter_step": 20})`` evicts ids not looked up in
     training for more than 20 steps.
 
-    Args:
-        name: a registered filter policy (see :class:`PolicyRegistry`).
-        params: its JSON-able parameters.
-
-    Raises:
-        ValueError: an empty ``name``, ``params`` that are not a mapping of JSON-able values.
     """
 
     __slots__ = ()
