@@ -166,14 +166,15 @@ class RssSampler:
 
 
 def start_odps_server() -> tuple[subprocess.Popen[str], int]:
+    # It stands in for a remote service, whose work never lands on the training machine: it
+    # keeps each block's bytes and decodes them when the rows are read back after the run
+    # (as in --job mode), and runs at the lowest priority for what it still does.
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "odps_server.py"), PROJECT],
+        [sys.executable, str(ROOT / "tests" / "odps_server.py"), PROJECT, "--defer-decoding"],
         stdout=subprocess.PIPE,
         text=True,
     )
     assert proc.stdout is not None
-    # it stands in for a remote service: at the lowest priority its CPU (decoding every block
-    # with pyodps's reader) does not take this machine's cores from the training measured
     os.setpriority(os.PRIO_PROCESS, proc.pid, 19)
     return proc, int(proc.stdout.readline())
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar, get_args
 
 import anyio
 
 from ._checks import on_error as check_on_error
-from ._checks import positive_int
+from ._checks import one_of, positive_int
 from .console import log_failure
 from .errors import OnError
 
@@ -32,7 +32,6 @@ T = TypeVar("T")
 #: ``"skip"`` the new job (counted as ``skipped``), or ``"replace"`` the newest waiting job
 #: with the new one (counted as ``replaced``; for jobs that supersede their predecessor).
 Overflow = Literal["wait", "skip", "replace"]
-_OVERFLOW = ("wait", "skip", "replace")
 _COUNTS = ("jobs", "done", "errors", "dropped", "skipped", "replaced")
 
 
@@ -69,12 +68,7 @@ class JobQueue(Generic[T]):
         self.name = name
         self._handle = handle
         self._capacity = positive_int("JobQueue", "capacity", capacity)
-        if overflow not in _OVERFLOW:
-            raise ValueError(
-                f"JobQueue(overflow=...): expected one of 'wait', 'skip', 'replace', "
-                f"got {overflow!r}"
-            )
-        self._overflow = overflow
+        self._overflow = one_of("JobQueue", "overflow", overflow, get_args(Overflow))
         self._on_error = check_on_error("JobQueue", "on_error", on_error)
         self._on_cancel = on_cancel
         self._waiting: deque[T] = deque()
@@ -88,9 +82,7 @@ class JobQueue(Generic[T]):
         self._idle.set()
         self.finished = anyio.Event()
         self._scope: anyio.CancelScope | None = None
-        self._counts = dict.fromkeys(
-            ("jobs", "done", "errors", "dropped", "skipped", "replaced"), 0
-        )
+        self._counts = dict.fromkeys(_COUNTS, 0)
 
     @property
     def closing(self) -> bool:
@@ -146,7 +138,8 @@ class JobQueue(Generic[T]):
             try:
                 return self.put_nowait(job)
             except anyio.WouldBlock:
-                self._room = anyio.Event()
+                if self._room.is_set():  # every waiting put shares one event
+                    self._room = anyio.Event()
                 await self._room.wait()
 
     async def wait_idle(self) -> None:

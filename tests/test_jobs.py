@@ -57,6 +57,23 @@ async def test_wait_blocks_until_there_is_room_and_keeps_every_job() -> None:
 
 
 @pytest.mark.anyio
+async def test_several_waiting_puts_all_get_in() -> None:
+    rec = Recorder()
+    queue = JobQueue("q", rec.handle, capacity=1)
+    async with HookBus(handle_signals=False) as bus:
+        bus.start_service(queue)
+        await started(queue, rec)
+        await queue.put(1)
+        with anyio.fail_after(5):  # a put left waiting would hang here
+            async with anyio.create_task_group() as tg:
+                for job in (2, 3, 4):
+                    tg.start_soon(queue.put, job)
+                await anyio.sleep(0.05)  # all three wait for room
+                rec.gate.set()
+    assert sorted(rec.done) == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.anyio
 async def test_skip_drops_the_new_job_and_counts_it() -> None:
     rec = Recorder()
     queue = JobQueue("q", rec.handle, capacity=1, overflow="skip")
