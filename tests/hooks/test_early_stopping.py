@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
-from run_hooks_support import Steps, loop, trainer
+from hooks_support import Steps, loop, trainer
 from toy import Model, batches
 
 from recis_async import (

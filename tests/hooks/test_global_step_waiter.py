@@ -7,7 +7,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from run_hooks_support import Steps, loop
+from hooks_support import Steps, loop
 
 from recis_async import (
     HookBus,

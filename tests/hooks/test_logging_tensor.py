@@ -6,7 +6,7 @@ import logging
 
 import anyio
 import pytest
-from run_hooks_support import loop
+from hooks_support import loop
 
 from recis_async import (
     HookBus,

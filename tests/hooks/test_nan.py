@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from run_hooks_support import Steps, loop
+from hooks_support import Steps, loop
 
 from recis_async import (
     HookBus,

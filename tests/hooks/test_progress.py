@@ -9,30 +9,14 @@ from typing import Any
 
 import pytest
 import torch
+from hooks_support import Reg, loop
 
-from recis_async import Hook, HookBus, Trainer, TrainingArguments, add_metric
-from recis_async.events import AfterStep, BeforeStep
+from recis_async import Hook, HookBus, Trainer, TrainingArguments
 from recis_async.hooks import (
     ProgressBarHook,
 )
 
 pytestmark = pytest.mark.anyio
-
-
-class Reg(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(3, 1)
-
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return torch.nn.functional.mse_loss(self.linear(batch["x"]).squeeze(-1), batch["y"])
-
-
-async def loop(bus: HookBus, losses: list[float], first: int = 0, samples: int = 8) -> None:
-    for i, loss in enumerate(losses, start=first):
-        await bus.publish(BeforeStep(global_step=i))
-        add_metric("loss", loss)
-        await bus.publish(AfterStep(global_step=i, samples=samples))
 
 
 def bar_trainer(hooks: list[Hook], n: int = 5, **kwargs: Any) -> Trainer:

@@ -6,7 +6,7 @@ import logging
 
 import anyio
 import pytest
-from run_hooks_support import Steps, loop, trainer
+from hooks_support import Steps, loop, trainer
 
 from recis_async import (
     HookBus,

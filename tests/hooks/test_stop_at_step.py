@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from run_hooks_support import Steps, loop, trainer
+from hooks_support import Steps, loop, trainer
 
 from recis_async import (
     HookBus,

@@ -1,4 +1,4 @@
-"""Shared by the tests of the TensorFlow run hooks: a step recorder, a toy trainer, a loop."""
+"""Shared by the hook tests: a step recorder, a toy trainer and regression model, a loop."""
 
 from __future__ import annotations
 
@@ -68,3 +68,14 @@ async def loop(
         if bus.should_stop:
             break
     return done
+
+
+class Reg(torch.nn.Module):
+    """A linear regression on ``{"x": [n, 3], "y": [n]}`` batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 1)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.linear(batch["x"]).squeeze(-1), batch["y"])
