@@ -28,6 +28,7 @@ from .schema import (
     freeze,
     from_arrow,
     parse_schema,
+    prepare_conversion,
     to_arrow,
 )
 
@@ -95,6 +96,7 @@ class ColumnBuffer:
 
     def __init__(self, fields: Sequence[str], types: Sequence[str]) -> None:
         self.fields, self.types = parse_schema(fields, types)
+        prepare_conversion(self.types)  # before the loop, not on its first step
         self._index = {name: i for i, name in enumerate(self.fields)}
         self._chunks: list[list[Chunk]] = [[] for _ in self.fields]
         self._rows = 0

@@ -52,6 +52,7 @@ __all__ = [
     "Chunk",
     "parse_type",
     "parse_schema",
+    "prepare_conversion",
     "convert",
     "to_arrow",
     "from_arrow",
@@ -93,6 +94,7 @@ _ARROW_SCALARS: Final = {
     "binary": pa.binary(),
     "datetime": pa.timestamp("ms"),
 }
+_INT32: Final = np.dtype(np.int32)
 _OFFSET_MAX: Final = np.iinfo(np.int32).max
 _EMPTY_OFFSETS: Final = np.zeros(1, dtype=np.int32)
 _EMPTY_OFFSETS.setflags(write=False)
@@ -388,6 +390,14 @@ def _text(value: Any, type_name: str) -> tuple[np.ndarray, np.ndarray]:
     return data, offsets
 
 
+def prepare_conversion(types: Sequence[OdpsType]) -> None:
+    """Run the one-time setup of the conversions ``types`` need, now rather than on the first
+    step: text values are encoded by ``pa.array``, whose first call in a process imports
+    pandas (~130 ms holding the GIL)."""
+    if any(t.is_text or (t.element is not None and t.element.is_text) for t in types):
+        pa.array([], type=pa.string())
+
+
 def _leaf(value: Any, type_: OdpsType) -> Column:
     """A column of a non-array type from one value per row."""
     if isinstance(value, np.ndarray) and value.ndim == 1 and value.size == 0:
@@ -545,19 +555,26 @@ def convert(field: str, type_: OdpsType, value: object) -> Column:
 # Arrow
 
 
-def _buffer(arr: np.ndarray) -> pa.Buffer:
-    return pa.py_buffer(np.ascontiguousarray(arr))
+def _buffer(arr: np.ndarray, dtype: np.dtype[Any] | None = None) -> pa.Buffer:
+    return pa.py_buffer(np.ascontiguousarray(arr, dtype=dtype))
 
 
 def _leaf_to_arrow(
     col_values: np.ndarray, offsets: tuple[np.ndarray, ...], type_: OdpsType
 ) -> pa.Array:
+    # Arrays are built from their buffers, sharing the chunk's memory: ``pa.array`` would
+    # also work, but its first call in a process imports pandas (~130 ms holding the GIL),
+    # which would land in the first batch's write, on the training steps it overlaps.
     if type_.is_text:
         (off,) = offsets
         return pa.Array.from_buffers(
             type_.arrow_type, len(off) - 1, [None, _buffer(off), _buffer(col_values)]
         )
-    return pa.array(col_values, type=type_.arrow_type)
+    if type_.name == "boolean":  # Arrow packs booleans into bits, least significant first
+        data = pa.py_buffer(np.packbits(col_values.astype(np.bool_), bitorder="little"))
+    else:  # fixed width: Arrow's layout byte for byte, in the type's exact dtype
+        data = _buffer(col_values, _NUMPY_DTYPES[type_.name])
+    return pa.Array.from_buffers(type_.arrow_type, len(col_values), [None, data])
 
 
 def to_arrow(chunk: Chunk, type_: OdpsType) -> pa.Array:
@@ -566,7 +583,8 @@ def to_arrow(chunk: Chunk, type_: OdpsType) -> pa.Array:
     if type_.element is not None:
         outer, *inner = column.offsets
         values = _leaf_to_arrow(column.values, tuple(inner), type_.element)
-        return pa.ListArray.from_arrays(pa.array(outer, type=pa.int32()), values)
+        offsets = pa.Array.from_buffers(pa.int32(), len(outer), [None, _buffer(outer, _INT32)])
+        return pa.ListArray.from_arrays(offsets, values)
     return _leaf_to_arrow(column.values, column.offsets, type_)
 
 

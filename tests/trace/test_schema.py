@@ -1,6 +1,11 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -258,3 +263,46 @@ def test_writable_arrays_are_copied_and_frozen_private_ones_are_kept() -> None:
     view = np.ones((8, 3), np.float32)[::2]  # read-only but not owning its memory: copied
     view.setflags(write=False)
     assert not np.shares_memory(convert("f", type_, view).values, view)
+
+
+def test_the_first_arrow_conversion_imports_nothing_more() -> None:
+    """pyarrow's ``pa.array`` imports pandas on its first call (~130 ms holding the GIL).
+    Once the buffer and the sink are set up (before the loop), a fresh process appends every
+    type (on the step), converts it to Arrow and writes Parquet (in the writer, overlapping
+    steps) without importing anything more."""
+    code = textwrap.dedent(
+        """
+        import sys, tempfile, datetime
+        import numpy as np
+        from recis_async.trace.base import Attempt
+        from recis_async.trace.buffer import ColumnBuffer
+        from recis_async.trace.parquet import ParquetSink
+        from recis_async.trace.schema import parse_type
+        fields = ("i", "n", "d", "f", "b", "s", "y", "t", "al", "as")
+        types = ("bigint", "int", "double", "float", "boolean", "string", "binary", "datetime",
+                 "array<float>", "array<string>")
+        buffer = ColumnBuffer(fields, types)
+        sink = ParquetSink(tempfile.mkdtemp(), "t", rank=0)
+        sink.open(buffer.fields, buffer.types)
+        before = set(sys.modules)
+        buffer.append({"i": [1, 2], "n": [3, 4], "d": [0.5, 1.5], "f": [2.5, 3.5],
+                       "b": [True, False], "s": ["x", "yz"], "y": [b"a", b""],
+                       "t": [datetime.datetime(2026, 1, 1), datetime.datetime(2026, 1, 2)],
+                       "al": [[1.0], []], "as": [["a", "b"], ["c"]]})
+        batch = buffer.seal()
+        table = batch.to_arrow()
+        sink.write(batch, Attempt())
+        late = sorted(m for m in set(sys.modules) - before if not m.startswith("encodings"))
+        assert not late, f"imported during the loop: {late[:10]}"
+        assert table.column("b").to_pylist() == [True, False]
+        assert table.column("t").to_pylist()[1] == datetime.datetime(2026, 1, 2)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
