@@ -307,16 +307,16 @@ class HookBus:
             if impl is None or impl is getattr(Hook, name, None) or not callable(impl):
                 continue
             methods[name] = event_type
-        for name, value in hook.filters.items():
+        for name, value in hook.subscription_filters.items():
             if name not in methods:
                 raise ValueError(
-                    f"add_hook(): {cls.__name__}.filters names {name!r}, which is not an event "
-                    f"method it overrides (it overrides {sorted(methods)})"
+                    f"add_hook(): {cls.__name__}.subscription_filters names {name!r}, which is "
+                    f"not an event method it overrides (it overrides {sorted(methods)})"
                 )
             if not isinstance(value, Filters):
                 raise TypeError(
-                    f"add_hook(): {cls.__name__}.filters[{name!r}]: expected a Filters, "
-                    f"got {value!r}"
+                    f"add_hook(): {cls.__name__}.subscription_filters[{name!r}]: expected a "
+                    f"Filters, got {value!r}"
                 )
         added: list[Subscription] = []
         for name, event_type in methods.items():
@@ -325,7 +325,7 @@ class HookBus:
                 getattr(hook, name),
                 f"{cls.__name__}.{name}",
                 priority,
-                hook.filters.get(name),
+                hook.subscription_filters.get(name),
                 on_error,
             )
             added.append(sub)

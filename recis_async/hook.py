@@ -53,7 +53,7 @@ class Hook:
     #: Subscription filters by method name (``{"after_step": Filters(every=10, when=...)}``):
     #: a hook whose method runs on a plain cadence lets the bus count it, as for any
     #: subscriber, instead of counting itself.  Set it in ``__init__``; read by ``add_hook``.
-    filters: Mapping[str, Filters] = MappingProxyType({})
+    subscription_filters: Mapping[str, Filters] = MappingProxyType({})
 
     @property
     def state_key(self) -> str:

@@ -28,7 +28,7 @@ class Filters(msgspec.Struct, frozen=True, kw_only=True):
     subscriber, 1-based: ``every=3`` fires on the 3rd, 6th, ...; ``once=2`` only on the 2nd
     (then the subscription removes itself); ``every_seconds`` at most once per interval (the
     first occurrence fires).  Build one with :func:`filters`, which checks the values; a hook
-    declares them for its methods in :attr:`Hook.filters <recis_async.Hook.filters>`.
+    declares them for its methods in ``Hook.subscription_filters``.
     """
 
     every: int | None = None

@@ -91,7 +91,7 @@ async def test_only_events_when_accepts_are_counted() -> None:
 
 class EveryOther(Hook):
     def __init__(self) -> None:
-        self.filters = {"after_step": Filters(every=2)}
+        self.subscription_filters = {"after_step": Filters(every=2)}
         self.seen: list[int] = []
 
     def after_step(self, event: AfterStep) -> None:
@@ -116,10 +116,12 @@ async def test_a_hook_declares_the_filters_of_its_methods() -> None:
 @pytest.mark.anyio
 async def test_hook_filters_must_name_a_method_it_overrides() -> None:
     hook = EveryOther()
-    hook.filters = {"after_stpe": Filters(every=2)}
+    hook.subscription_filters = {"after_stpe": Filters(every=2)}
     async with HookBus(handle_signals=False) as bus:
-        with pytest.raises(ValueError, match=r"EveryOther.filters names 'after_stpe'"):
+        with pytest.raises(ValueError, match=r"EveryOther.subscription_filters names 'after_stpe'"):
             bus.add_hook(hook)
-        hook.filters = {"after_step": 2}  # type: ignore[dict-item]
-        with pytest.raises(TypeError, match=r"filters\['after_step'\]: expected a Filters"):
+        hook.subscription_filters = {"after_step": 2}  # type: ignore[dict-item]
+        with pytest.raises(
+            TypeError, match=r"subscription_filters\[.after_step.\]: expected a Filters"
+        ):
             bus.add_hook(hook)

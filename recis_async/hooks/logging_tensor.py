@@ -78,7 +78,9 @@ class LoggingTensorHook(Hook):
             None if every_n_secs is None else positive_number(owner, "every_n_secs", every_n_secs)
         )
         if self.every_n_secs is not None:  # the first training step, then every S seconds
-            self.filters = {"after_step": Filters(every_seconds=self.every_n_secs, when=is_train)}
+            self.subscription_filters = {
+                "after_step": Filters(every_seconds=self.every_n_secs, when=is_train)
+            }
         self._iter = 0
         self._last: float = -math.inf
         self._warned: set[str] = set()

@@ -68,7 +68,7 @@ class SummarySaverHook(Hook):
         self.model = model
         self.max_buffer_bytes = max_buffer_bytes
         # every save_steps-th training step, counted by the bus
-        self.filters = {"after_step": Filters(every=save_steps, when=is_train)}
+        self.subscription_filters = {"after_step": Filters(every=save_steps, when=is_train)}
         self._names: set[str] = set()
         self._service: TrackerService | None = None
 
