@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -134,4 +135,10 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_WHERE])
+    """The public names and the subpackages imported so far, not this module's helpers."""
+    loaded = [
+        name
+        for name, value in globals().items()
+        if isinstance(value, ModuleType) and value.__name__ == f"{__name__}.{name}"
+    ]
+    return sorted({*__all__, "__version__", *loaded})

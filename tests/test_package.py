@@ -46,6 +46,10 @@ def test_every_exported_name_resolves_and_is_listed() -> None:
         for name in recis_async.__all__:
             getattr(recis_async, name)
         assert set(recis_async.__all__) <= set(dir(recis_async))
+        import recis_async.hooks
+        listed = dir(recis_async)
+        assert "hooks" in listed, listed
+        assert not {"importlib", "TYPE_CHECKING", "Any", "annotations"} & set(listed), listed
         try:
             recis_async.no_such_name
         except AttributeError as exc:
