@@ -87,7 +87,10 @@ class TraceHook(Hook):
                 f"got {type(sink).__name__}"
             )
         positive_int(type(self).__name__, "size_threshold", size_threshold)
-        self._buffer = ColumnBuffer(fields, types)
+        try:
+            self._buffer = ColumnBuffer(fields, types)
+        except (TypeError, ValueError) as exc:  # name the class the user called
+            raise type(exc)(f"{type(self).__name__}(fields=..., types=...): {exc}") from None
         check_fields = getattr(sink, "check_fields", None)  # e.g. ParquetSink's partition keys
         if check_fields is not None:
             check_fields(self._buffer.fields, type(self).__name__)

@@ -201,7 +201,11 @@ async def test_a_bad_step_fails_its_publish_and_buffers_nothing(tmp_path: Path) 
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"fields": ["a", "b"], "types": ["bigint"]}, ValueError, "same length: got 2 fields"),
+        (
+            {"fields": ["a", "b"], "types": ["bigint"]},
+            ValueError,
+            "TraceHook(fields=..., types=...): fields and types must have the same length: got 2",
+        ),
         (
             {"types": ["bigint", "array<bool>"]},
             ValueError,
