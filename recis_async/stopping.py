@@ -14,6 +14,7 @@ import signal
 from collections.abc import Callable
 
 import anyio
+import anyio.lowlevel
 from anyio.abc import TaskStatus
 
 from .events import EndStatus
@@ -21,6 +22,8 @@ from .events import EndStatus
 __all__ = ["StopSignals", "end_status", "preempted_exit"]
 
 logger = logging.getLogger(__name__)
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class StopSignals:
@@ -51,9 +54,27 @@ class StopSignals:
         Shielded, so cancelling the body does not end it: the handlers stay installed until
         close is done (else a third SIGINT would raise ``KeyboardInterrupt`` and a SIGTERM
         would kill the process in the middle of spilling)."""
+        previous = {s: signal.getsignal(s) for s in _SIGNALS}
+        for s in _SIGNALS:  # what the receiver hands a late signal back to (see below)
+            signal.signal(s, signal.SIG_IGN)
+        try:
+            await self._receive(task_status)
+        finally:
+            # On trio, a signal taken by the receiver in its last moment (sent at the very end
+            # of the close) reaches it on the loop's next pass and, the receiver closed, is
+            # raised again under the handler it restored: ignored here, instead of a
+            # ``KeyboardInterrupt`` out of a bus that closed cleanly.  The bus has closed; the
+            # first signal decides the exit status.
+            with anyio.CancelScope(shield=True):
+                for _ in range(3):
+                    await anyio.lowlevel.checkpoint()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    async def _receive(self, task_status: TaskStatus[None]) -> None:
         with (
             anyio.CancelScope(shield=True) as self._scope,
-            anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals,
+            anyio.open_signal_receiver(*_SIGNALS) as signals,
         ):
             task_status.started()
             async for signum in signals:

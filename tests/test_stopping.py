@@ -3,13 +3,19 @@ themselves are exercised end to end in test_preemption.py and test_signal_storm.
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import anyio
 import pytest
 
 from recis_async.stopping import end_status, preempted_exit
 
+ROOT = Path(__file__).resolve().parent.parent
 TERM = int(signal.SIGTERM)
 
 
@@ -43,3 +49,50 @@ async def test_preempted_exit() -> None:
     exit_ = preempted_exit(int(signal.SIGINT), await a_cancellation())
     assert isinstance(exit_, SystemExit) and exit_.code == 130
     assert preempted_exit(TERM, ValueError("x")) is None  # the body's own error propagates
+
+
+def test_a_signal_still_pending_when_the_bus_closes_does_not_escape_as_an_error(
+    tmp_path: Path,
+) -> None:
+    """A second SIGINT that arrives in the last moment of the close, after the watcher's last
+    chance to take it: trio hands a signal still pending when its receiver closes back to the
+    default handler, which raised ``KeyboardInterrupt`` out of the closed bus instead of the
+    first signal's exit status."""
+    script = tmp_path / "late_signal.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, signal, sys
+            import anyio
+            from recis_async import HookBus
+
+            class SignalsAtTheEnd:
+                name = "signals-at-the-end"
+                async def run(self) -> None:
+                    await anyio.sleep_forever()
+                async def aclose(self, deadline: float) -> None:
+                    os.kill(os.getpid(), signal.SIGINT)  # no await after it: stays pending
+                def stats(self) -> dict:
+                    return {}
+
+            async def main() -> None:
+                async with HookBus(flush_timeout=5) as bus:
+                    bus.start_service(SignalsAtTheEnd())
+                    os.kill(os.getpid(), signal.SIGINT)  # the stop
+                    await anyio.sleep(0.2)  # the watcher takes it
+
+            anyio.run(main, backend=sys.argv[1])
+            """
+        )
+    )
+    # the late signal reaches trio's receiver a loop pass later: a race, so trio runs 5 times
+    for backend in ("asyncio", *["trio"] * 5):
+        result = subprocess.run(
+            [sys.executable, str(script), backend],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 128 + signal.SIGINT, (backend, result.stderr)
+        assert "KeyboardInterrupt" not in result.stderr, (backend, result.stderr)
