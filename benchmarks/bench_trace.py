@@ -52,8 +52,10 @@ times (4), alternated within each repetition:
 Printed per config (medians over repetitions, ranges in brackets): steps/s from the first step
 to the end of the close over the untraced run's of the same repetition; the same counting
 the set-up too; set-up and close seconds; the first 100 steps' time over the untraced run's;
-step p50 / p99 / max in ms; peak PSS of the job's processes (sampled every 50 ms from the
-driver, not the job) over the untraced run's; the p50 of the model's own step (forward,
+step p50 / p99 / max in ms; peak PSS of the job's processes over the untraced run's, from
+one more run of every config after the timed ones (sampled every 50 ms from the driver:
+reading a torch process's page tables takes ~6 ms and slows it ~5 %, so timed runs are not
+sampled); the p50 of the model's own step (forward,
 backward, optimizer: what the writer's work on the other core and the GIL cost it); minor page
 faults per step from the first step to the end of the close (fresh memory the allocator asks
 the kernel for; an untraced torch step takes tens of them).  Every
@@ -753,10 +755,19 @@ def job_rows(kind: str, out: Path, port: int | None, table: str) -> int:
 
 
 def run_job_process(
-    config: str, args: argparse.Namespace, port: int | None, out: Path, table: str, root: Path
+    config: str,
+    args: argparse.Namespace,
+    port: int | None,
+    out: Path,
+    table: str,
+    root: Path,
+    sample: bool,
 ) -> dict[str, Any]:
-    """Run one job in a fresh process, with the code under ``root``; sample the PSS of its
-    process tree meanwhile."""
+    """Run one job in a fresh process, with the code under ``root``; with ``sample``, sample
+    the PSS of its process tree every 50 ms meanwhile (``pss_mb``, the peak).
+
+    Sampling reads the processes' page tables (~6 ms a sample for a torch process, holding
+    the job's memory-map lock): it slows the job ~5 %, so timed runs are not sampled."""
     import psutil
 
     cmd = [
@@ -778,7 +789,7 @@ def run_job_process(
     )
     peak = 0
     root = psutil.Process(proc.pid)
-    while proc.poll() is None:
+    while sample and proc.poll() is None:
         total = 0
         try:
             for p in [root, *root.children(recursive=True)]:
@@ -792,7 +803,8 @@ def run_job_process(
         print(stderr, file=sys.stderr)
         raise SystemExit(f"job {config} failed")
     result: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
-    result["pss_mb"] = peak / 1e6
+    if sample:
+        result["pss_mb"] = peak / 1e6
     return result
 
 
@@ -826,15 +838,18 @@ def job_main(args: argparse.Namespace) -> None:
     out = Path(tempfile.mkdtemp(prefix="bench-trace-job-"))
     load = os.getloadavg()
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+    pss: dict[str, float] = {}
     started = time.perf_counter()
     try:
-        for rep in range(args.reps):
+        # the timed repetitions, then one more of every config sampling its memory
+        for rep in range(args.reps + 1):
+            sample = rep == args.reps
             # alternate: rotate the order every repetition
             order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
             for label in order:
                 config = label.split("@")[0]
                 table = f"j_{label.replace('-', '_').replace('@', '_')}_{rep}"
-                result = run_job_process(config, args, port, out, table, roots[label])
+                result = run_job_process(config, args, port, out, table, roots[label], sample)
                 if not config.startswith("untraced"):
                     kind = "odps" if "odps" in config else "parquet"
                     rows = job_rows(kind, out, port, table)
@@ -842,6 +857,10 @@ def job_main(args: argparse.Namespace) -> None:
                         raise SystemExit(
                             f"{config}: {rows} rows read back, expected {args.job_steps * BATCH}"
                         )
+                if sample:
+                    pss[label] = result["pss_mb"]
+                    print(f"# memory {label}: peak PSS {result['pss_mb']:.0f} MB", file=sys.stderr)
+                    continue
                 runs[label].append(result)
                 steps_s = args.job_steps / (result["loop_s"] + result["close_s"])
                 print(
@@ -871,7 +890,7 @@ def job_main(args: argparse.Namespace) -> None:
         return args.job_steps / (r["loop_s"] + r["close_s"] + (r["setup_s"] if setup else 0.0))
 
     med = statistics.median
-    base_pss = med(r["pss_mb"] for r in base)
+    base_pss = pss["untraced"]
     for config in configs:
         rs = runs[config]
         ratios = [rate(r) / rate(b) for r, b in zip(rs, base, strict=True)]
@@ -885,7 +904,7 @@ def job_main(args: argparse.Namespace) -> None:
             f"{config:<24}{med(ratios):>7.3f}{f' [{min(ratios):.2f}-{max(ratios):.2f}]':<14}"
             f"{med(with_setup):>9.3f}{med(r['setup_s'] for r in rs):>8.2f}"
             f"{med(r['close_s'] for r in rs):>8.2f}{med(first):>9.2f}{p50:>8.2f}{p99:>8.2f}"
-            f"{worst:>8.1f}{med(r['pss_mb'] for r in rs) - base_pss:>9.0f}"
+            f"{worst:>8.1f}{pss[config] - base_pss:>9.0f}"
             f"{med(r.get('compute_ms', math.nan) for r in rs):>10.2f}"
             f"{med(r.get('faults', math.nan) for r in rs) / args.job_steps:>10.1f}"
         )
