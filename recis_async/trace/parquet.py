@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .. import dist
-from .._checks import dir_path
+from .._checks import boolean, dir_path, non_negative_int, positive_int
 from .._files import fsync_path
 from ..errors import SinkError
 from .base import Attempt, parse_partition
@@ -34,6 +34,10 @@ from .schema import OdpsType
 __all__ = ["ParquetSink"]
 
 logger = logging.getLogger(__name__)
+
+#: the bytes of a batch encoded as one row group (see ``row_group_size``)
+_ROW_GROUP_BYTES = 8 << 20
+_CODECS = ("snappy", "zstd", "lz4", "gzip", "brotli", "none")
 
 _PERMANENT_ERRNOS = frozenset(
     {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG}
@@ -50,16 +54,23 @@ class ParquetSink:
             ``dt=.../hour=...`` as Hive and pyarrow datasets read them.
         rank: the number in file names; by default :func:`recis_async.dist.get_rank` when
             the sink opens.
-        compression: passed to :func:`pyarrow.parquet.write_table`.
-        use_dictionary: passed to it too; off by default: it favours throughput and keeps
-            the writer's encoding buffers small.
-        row_group_size: rows per row group (passed on).
+        compression: the codec, one of ``"snappy"``, ``"zstd"``, ``"lz4"``, ``"gzip"``,
+            ``"brotli"`` or ``"none"`` (or ``None``), as :class:`pyarrow.parquet.ParquetWriter`
+            names them.
+        use_dictionary: dictionary-encode columns; off by default: it favours throughput and
+            keeps the writer's encoding buffers small.
+        row_group_size: rows per row group.  By default a batch is written in row groups of
+            about 8 MiB, so Arrow's encoding buffers stay that size whatever
+            ``size_threshold`` is: encoding a 50 MiB batch at once took buffers as large,
+            freshly mapped for every batch, which cost a ~3 ms training step 5-6 %
+            (benchmarks/README.md, "Parquet row groups").
         fsync: flush each file and its folder to disk before counting it as delivered.
 
     Raises:
         TypeError: an argument of the wrong type.
-        ValueError: an empty ``table``, a malformed ``partition``, a negative ``rank``, an
-            unknown ``compression``, a non-positive ``row_group_size``.
+        ValueError: a ``table`` name that is not a plain name, a malformed ``partition``, a
+            negative ``rank``, an unknown or unavailable ``compression``, a non-positive
+            ``row_group_size``.
     """
 
     def __init__(
@@ -69,28 +80,34 @@ class ParquetSink:
         partition: str | Mapping[str, object] | None = None,
         *,
         rank: int | None = None,
-        compression: str = "snappy",
+        compression: str | None = "snappy",
         use_dictionary: bool = False,
         row_group_size: int | None = None,
         fsync: bool = True,
     ) -> None:
-        if not isinstance(table, str) or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", table):
+        if not isinstance(table, str):
+            raise TypeError(f"ParquetSink(table=...): expected a str, got {table!r}")
+        if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", table):
             raise ValueError(
-                "ParquetSink: table: expected a name of letters, digits, '_', '-' or '.', "
+                "ParquetSink(table=...): expected a name of letters, digits, '_', '-' or '.', "
                 f"got {table!r}"
             )
-        if rank is not None and (type(rank) is not int or rank < 0):
-            raise ValueError(f"ParquetSink: rank: expected an int >= 0 or None, got {rank!r}")
+        if rank is not None:
+            non_negative_int("ParquetSink", "rank", rank)
         self._root = Path(dir_path("ParquetSink", "root", root))  # proven writable by open()
         self._table = table
         self._partition = parse_partition(partition)
         self._rank = rank
         self._write_options: dict[str, Any] = {
-            "compression": compression,
-            "use_dictionary": use_dictionary,
-            "row_group_size": row_group_size,
+            "compression": _codec(compression),
+            "use_dictionary": boolean("ParquetSink", "use_dictionary", use_dictionary),
         }
-        self._fsync = fsync
+        self._row_group_size = (
+            None
+            if row_group_size is None
+            else positive_int("ParquetSink", "row_group_size", row_group_size)
+        )
+        self._fsync = boolean("ParquetSink", "fsync", fsync)
         self._lock = threading.Lock()
         self._next_seq = 0
         self._opened_rank: int | None = None
@@ -155,9 +172,13 @@ class ParquetSink:
         tmp = directory / f".part-{rank}-{uuid.uuid4().hex}.parquet.tmp"
         try:
             try:
-                pq.write_table(batch.to_arrow(), str(tmp), **self._write_options)
-                # Arrow's allocator keeps freed encoding buffers cached (tens of MiB per
-                # concurrent writer); hand them back so RSS tracks the buffered data
+                table = batch.to_arrow()
+                rows = self._row_group_size or _rows_per_group(batch)
+                with pq.ParquetWriter(str(tmp), table.schema, **self._write_options) as writer:
+                    for start in range(0, table.num_rows, rows):
+                        writer.write_table(table.slice(start, rows), row_group_size=rows)
+                # Arrow's allocator keeps freed encoding buffers cached; hand them back so
+                # RSS tracks the buffered data
                 pa.default_memory_pool().release_unused()
                 if self._fsync:
                     fsync_path(tmp)
@@ -230,3 +251,28 @@ def _published(token: str) -> bool:
         return path != "" and os.stat(path).st_ino == int(inode)
     except (OSError, ValueError):
         return False
+
+
+def _codec(compression: object) -> str:
+    """``compression`` if pyarrow can write it (checked here, not at the first write);
+    ``None`` is ``"none"``, as for pyarrow."""
+    if compression is None:
+        return "none"
+    if not isinstance(compression, str):
+        raise TypeError(f"ParquetSink(compression=...): expected a str, got {compression!r}")
+    name = compression.lower()
+    if name not in _CODECS:
+        expected = ", ".join(repr(c) for c in _CODECS)
+        raise ValueError(
+            f"ParquetSink(compression=...): expected one of {expected}, got {compression!r}"
+        )
+    if name != "none" and not pa.Codec.is_available(name):
+        raise ValueError(
+            f"ParquetSink(compression=...): {compression!r} is not available in this pyarrow build"
+        )
+    return name
+
+
+def _rows_per_group(batch: Batch) -> int:
+    """Rows of ``batch`` that hold about :data:`_ROW_GROUP_BYTES`."""
+    return max(1, batch.rows * _ROW_GROUP_BYTES // max(batch.nbytes, 1))

@@ -138,13 +138,18 @@ def test_write_before_open_is_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"table": "a/b"}, "table: expected a name of letters"),
+        ({"table": "a/b"}, "ParquetSink(table=...): expected a name of letters"),
         ({"table": "t", "partition": "dt"}, "partition: expected 'key=value' pairs, got 'dt'"),
         ({"table": "t", "partition": "dt=a/b"}, "partition: value of 'dt' must be non-empty"),
         ({"table": "t", "partition": "dt=1,dt=2"}, "partition: duplicate key 'dt'"),
         ({"table": "t", "partition": "1x=2"}, "partition: expected an identifier as key, got '1x'"),
         ({"table": "t", "partition": 5}, "partition: expected a string like"),
-        ({"table": "t", "rank": -1}, "rank: expected an int >= 0 or None, got -1"),
+        ({"table": "t", "rank": -1}, "ParquetSink(rank=...): expected an int >= 0, got -1"),
+        ({"table": "t", "compression": "zip"}, "ParquetSink(compression=...): expected one of"),
+        (
+            {"table": "t", "row_group_size": 0},
+            "ParquetSink(row_group_size=...): expected a positive",
+        ),
         ({"root": 3, "table": "t"}, "ParquetSink(root=...): expected a directory path, got 3"),
         ({"root": "", "table": "t"}, "ParquetSink(root=...): expected a directory path, got ''"),
     ],
@@ -175,3 +180,58 @@ def test_a_partition_key_named_like_a_field_is_refused_at_the_call(
     with pytest.raises(ValueError, match=r"field 'a' .*partition key .*table 'tp'"):
         sink.open(("a",), (parse_type("bigint"),))
     TraceHook(sink, ["b"], ["bigint"])  # other names are fine
+
+
+def test_a_large_batch_is_written_in_row_groups_of_about_8_mib(tmp_path: Path) -> None:
+    """Encoding a whole 50 MiB batch at once made Arrow map fresh buffers that large for
+    every batch (5-6 % of a 3 ms step in ``bench_trace.py --job``); row groups bound them."""
+    import numpy as np
+
+    from recis_async.trace.buffer import ColumnBuffer
+
+    buffer = ColumnBuffer(["id", "emb"], ["bigint", "array<float>"])
+    rng = np.random.default_rng(7)
+    steps = [
+        (np.arange(s * 512, (s + 1) * 512), rng.random((512, 64), dtype=np.float32))
+        for s in range(180)
+    ]
+    for ids, emb in steps:  # 180 steps of 512 rows x (8 + 256 bytes): ~23 MiB
+        buffer.append({"id": ids, "emb": emb})
+    batch = buffer.seal()
+    assert batch is not None and batch.nbytes > 20 << 20
+    sink = opened(ParquetSink(tmp_path, "big", rank=0), ["id", "emb"], ["bigint", "array<float>"])
+    sink.write(batch, Attempt())
+    (path,) = (tmp_path / "big").iterdir()
+    meta = pq.ParquetFile(path).metadata
+    rows_per_group = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+    assert meta.num_row_groups == 3 and sum(rows_per_group) == 180 * 512
+    assert max(rows_per_group) * batch.nbytes / batch.rows <= 8.01 * 2**20
+    table = pq.read_table(path)
+    assert table.column("id").to_numpy().tolist() == list(range(180 * 512))
+    emb = np.stack(table.column("emb").to_numpy(zero_copy_only=False))
+    assert np.array_equal(emb, np.concatenate([e for _, e in steps]))
+
+
+def test_row_group_size_sets_the_rows_per_group(tmp_path: Path) -> None:
+    sink = opened(
+        ParquetSink(tmp_path, "rg", rank=0, row_group_size=4), ["id", "v"], ["bigint", "double"]
+    )
+    (batch,) = simple_batches(1, rows=10)
+    sink.write(batch, Attempt())
+    (path,) = (tmp_path / "rg").iterdir()
+    meta = pq.ParquetFile(path).metadata
+    assert [meta.row_group(i).num_rows for i in range(meta.num_row_groups)] == [4, 4, 2]
+    assert pq.read_table(path).column("id").to_pylist() == list(range(10))
+
+
+@pytest.mark.parametrize("codec", ["zstd", "none", None, "GZIP"])
+def test_a_named_codec_is_the_one_written(tmp_path: Path, codec: str | None) -> None:
+    sink = opened(
+        ParquetSink(tmp_path, "c", rank=0, compression=codec), ["id", "v"], ["bigint", "double"]
+    )
+    (batch,) = simple_batches(1)
+    sink.write(batch, Attempt())
+    (path,) = (tmp_path / "c").iterdir()
+    written = pq.ParquetFile(path).metadata.row_group(0).column(0).compression
+    assert written == ("UNCOMPRESSED" if codec in ("none", None) else codec.upper())
+    assert pq.read_table(path).column("id").to_pylist() == list(range(5))

@@ -375,7 +375,7 @@ def test_a_spill_file_that_names_no_table_needs_table(
     line = one_line_failure(run(capsys, "replay", path, "--parquet", tmp_path / "out"), "replay")
     assert "give --table" in line
     bad = run(capsys, "replay", path, "--parquet", tmp_path / "out", "--table", "bad name")
-    assert "table: expected a name of letters" in one_line_failure(bad, "replay")
+    assert "table=...): expected a name of letters" in one_line_failure(bad, "replay")
     assert (
         run(capsys, "replay", path, "--parquet", tmp_path / "out", "--table", "t").returncode == 0
     )
