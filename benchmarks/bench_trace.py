@@ -60,7 +60,8 @@ backward, optimizer: what the writer's work on the other core and the GIL cost i
 faults per step from the first step to the end of the close (fresh memory the allocator asks
 the kernel for; an untraced torch step takes tens of them).  Every
 row is read back and counted.  ``--import-first`` imports pyodps / pyarrow.parquet before the
-timing (the issue's harness).
+timing (the issue's harness); ``--job-threshold MIB`` gives every traced config that
+``size_threshold`` (a sweep over sizes, one run each).
 Targets (issue 16): ODPS >= 0.90 at 50 MiB and >= 0.85 at 8 MiB, Parquet >= 0.95, step p50
 <= 1.05x and the first 100 steps <= 1.1x untraced.
 
@@ -632,7 +633,9 @@ JOB_CONFIGS = (
 MIB = 1024 * 1024
 
 
-def job_threshold(config: str) -> int:
+def job_threshold(config: str, mib: float | None) -> int:
+    if mib is not None:
+        return int(mib * MIB)
     return 8 * MIB if config.endswith("-8m") else 50 * MIB
 
 
@@ -644,7 +647,7 @@ async def run_job(args: argparse.Namespace) -> dict[str, Any]:
     config = args.job_child
     table = args.job_table
     kind = "odps" if "odps" in config else "parquet"
-    threshold = job_threshold(config)
+    threshold = job_threshold(config, args.job_threshold)
     out = Path(args.job_out)
     model = Model(hidden=args.hidden)
     for i in range(30):  # warm up torch
@@ -780,6 +783,8 @@ def run_job_process(
         cmd += ["--job-port", str(port)]
     if args.import_first:
         cmd.append("--import-first")
+    if args.job_threshold is not None:
+        cmd += ["--job-threshold", str(args.job_threshold)]
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -878,6 +883,7 @@ def job_main(args: argparse.Namespace) -> None:
         f"alternated, backend {args.backend}; {os.cpu_count()} CPUs, load average "
         f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start; {time.perf_counter() - started:.0f}s"
         + ("; pyodps/pyarrow.parquet imported before timing" if args.import_first else "")
+        + (f"; every threshold {args.job_threshold:g} MiB" if args.job_threshold else "")
     )
     print(
         f"{'config':<24}{'ratio':>7}{' [range]':<14}{'w/ setup':>9}{'setup s':>8}{'close s':>8}"
@@ -941,6 +947,13 @@ def main() -> None:
     parser.add_argument("--job", action="store_true", help="the job-shaped mode (see above)")
     parser.add_argument("--reps", type=int, default=4, help="[--job] repetitions of each config")
     parser.add_argument("--job-steps", type=int, default=1200, help="[--job] timed steps a run")
+    parser.add_argument(
+        "--job-threshold",
+        type=float,
+        default=None,
+        metavar="MIB",
+        help="[--job] size_threshold of every traced config, in MiB (a sweep: run it per size)",
+    )
     parser.add_argument(
         "--import-first",
         action="store_true",
