@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .. import dist
-from .._checks import boolean, dir_path, non_negative_int, positive_int
+from .._checks import boolean, dir_path, non_negative_int, one_of, positive_int
 from .._files import fsync_path
 from ..errors import SinkError
 from .base import Attempt, parse_partition
@@ -260,12 +260,7 @@ def _codec(compression: object) -> str:
         return "none"
     if not isinstance(compression, str):
         raise TypeError(f"ParquetSink(compression=...): expected a str, got {compression!r}")
-    name = compression.lower()
-    if name not in _CODECS:
-        expected = ", ".join(repr(c) for c in _CODECS)
-        raise ValueError(
-            f"ParquetSink(compression=...): expected one of {expected}, got {compression!r}"
-        )
+    name = one_of("ParquetSink", "compression", compression.lower(), _CODECS)
     if name != "none" and not pa.Codec.is_available(name):
         raise ValueError(
             f"ParquetSink(compression=...): {compression!r} is not available in this pyarrow build"
