@@ -65,7 +65,7 @@ timing (the issue's harness); ``--job-threshold MIB`` gives every traced config 
 Targets (issue 16): ODPS >= 0.90 at 50 MiB and >= 0.85 at 8 MiB, Parquet >= 0.95, step p50
 <= 1.05x and the first 100 steps <= 1.1x untraced.
 
-    python benchmarks/bench_trace.py --job                  # about 5 minutes
+    python benchmarks/bench_trace.py --job                  # about 6 minutes
     python benchmarks/bench_trace.py --job --reps 2 --only untraced,odps-8m
 
 For each: steps/s without and with tracing (medians over rounds); their ratio, the median of
