@@ -24,6 +24,7 @@ from types import TracebackType
 from typing import Any, TypeVar, cast
 
 import anyio
+import anyio.lowlevel
 import msgspec
 from anyio.abc import TaskGroup
 
@@ -93,7 +94,10 @@ class HookBus:
         self._collector = StepCollector()
         self._token: Token[StepCollector | None] | None = None
         self._stop_reason: str | None = None
-        self._signals = StopSignals(self.flush_timeout, self.request_stop, self._hurry_up)
+        self._signals = StopSignals(
+            self.flush_timeout, self._stop_now, self.request_stop, self._hurry_up
+        )
+        self._stopping: anyio.Event | None = None  # made on enter: an Event needs the loop
         self._close_scope: anyio.CancelScope | None = None
         self._service_scopes: list[anyio.CancelScope] = []
         self._last_yield = 0.0
@@ -108,6 +112,9 @@ class HookBus:
         await tg.__aenter__()
         self._tg = tg
         self._state = "open"
+        self._stopping = anyio.Event()
+        if self._stop_reason is not None:
+            self._stopping.set()
         self._token = collect.bind(self._collector)
         if self._handle_signals and threading.current_thread() is threading.main_thread():
             await tg.start(self._signals.watch, name="recis_async:signals")
@@ -486,6 +493,9 @@ class HookBus:
             )
         if self._failures:
             raise self._failures.pop(0)
+        if self._signals.unseen:  # a stop signal the loop has not delivered yet (no service)
+            self._signals.catch_up()
+            await anyio.lowlevel.checkpoint()  # a second one cancelled the body: raised here
         route = self._routes.get(type(event)) or self._route(type(event))
         kind = route.kind
         if kind:
@@ -635,6 +645,13 @@ class HookBus:
         if self._stop_reason is None:
             self._stop_reason = reason
             logger.info("stop requested%s", f": {reason}" if reason else "")
+        if self._stopping is not None:
+            self._stopping.set()
+
+    def _stop_now(self, reason: str) -> None:
+        """The first stop signal, from its handler: only an assignment (see StopSignals)."""
+        if self._stop_reason is None:
+            self._stop_reason = reason
 
     @property
     def should_stop(self) -> bool:
@@ -643,6 +660,14 @@ class HookBus:
     @property
     def stop_reason(self) -> str | None:
         return self._stop_reason
+
+    @property
+    def stopping(self) -> anyio.Event:
+        """Set once a stop is requested (a hook, a stop signal, another rank): a service or
+        hook waiting on something slow (buffer room, say) races it to give way."""
+        if self._stopping is None:
+            raise RuntimeError("HookBus.stopping: the bus was never entered")
+        return self._stopping
 
     # ------------------------------------------------------------------ observability
     def stats(self) -> dict[str, Any]:

@@ -10,8 +10,12 @@ spill what they still hold.
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -29,24 +33,81 @@ _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 class StopSignals:
     """The SIGTERM/SIGINT watcher of one bus.
 
+    Two halves, because a signal must count even when the loop never runs: a training loop
+    whose hooks are all in-band (no service) never yields to the event loop, so a receiver task
+    alone would not see a Ctrl-C until the loop had ended.
+
+    * :meth:`_on_signal`, a Python-level handler, runs in the main thread between two
+      bytecodes of whatever was running.  It is the one place signals are counted, and it only
+      assigns attributes (no logging, no locks): the first signal marks the stop (``stop_now``
+      makes ``bus.should_stop`` true at once), the second the hurry.
+    * :meth:`catch_up`, in the event loop, does what needs the loop: the log lines, and the
+      second signal's cancellation.  The receiver task calls it when the loop delivers a signal;
+      ``publish`` calls it when it finds :attr:`unseen` set, so a loop that never yields still
+      acts at the next step boundary.
+
+    The loop's own delivery (asyncio's wake-up socket, trio's queue) only wakes the receiver:
+    it is never counted, so a signal written into the inherited wake-up socket by a forked
+    child (a ``DataLoader`` worker in the terminal's process group) cannot pass for a second
+    Ctrl-C.
+
     Args:
         flush_timeout: the bus's drain budget, named in the log line of the first signal.
-        request_stop: called with a reason at the first signal.
-        hurry: called at the second signal, to cancel the body or cut the close short.
+        stop_now: called with a reason at the first signal, from the signal handler: it may
+            only assign (the reason is logged later, by :meth:`catch_up`).
+        request_stop: called with the same reason by :meth:`catch_up`, in the loop.
+        hurry: called at the second signal, in the loop, to cancel the body or cut the close
+            short.
     """
 
     def __init__(
         self,
         flush_timeout: float,
+        stop_now: Callable[[str], None],
         request_stop: Callable[[str], None],
         hurry: Callable[[], None],
     ) -> None:
         self.signum: int | None = None  # the first stop signal received
         self.hurry = False  # a second one arrived: close without waiting
+        self.unseen = False  # a signal arrived that catch_up has not acted on yet
         self._flush_timeout = flush_timeout
+        self._stop_now = stop_now
         self._request_stop = request_stop
         self._on_hurry = hurry
+        self._told = 0  # signals catch_up has acted on: 0, 1 (the stop) or 2 (the hurry)
         self._scope: anyio.CancelScope | None = None
+        self._chained: dict[int, Any] = {}  # the loop's own handlers, called after ours
+
+    # -------------------------------------------------------------- in the signal handler
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is None:
+            self.signum = signum
+            self._stop_now(f"preempted by {signal.Signals(signum).name}")
+        else:
+            self.hurry = True
+        self.unseen = True
+        chained = self._chained.get(signum)
+        if callable(chained):  # trio's handler queues the signal for the receiver
+            chained(signum, frame)
+
+    # -------------------------------------------------------------- in the event loop
+    def catch_up(self) -> None:
+        """Act on the signals counted since the last call: log the stop, hurry the close."""
+        self.unseen = False
+        if self.signum is not None and self._told == 0:
+            self._told = 1
+            name = signal.Signals(self.signum).name
+            logger.warning(
+                "%s received: stopping at the next step boundary and draining "
+                "(flush_timeout=%ss); send it again to close at once",
+                name,
+                self._flush_timeout,
+            )
+            self._request_stop(f"preempted by {name}")
+        if self.hurry and self._told == 1:
+            self._told = 2
+            logger.warning("second stop signal: closing at once, spilling what is left")
+            self._on_hurry()
 
     async def watch(self, *, task_status: TaskStatus[None]) -> None:
         """Handle the signals until :meth:`stop`; start it with ``task_group.start``.
@@ -76,24 +137,13 @@ class StopSignals:
             anyio.CancelScope(shield=True) as self._scope,
             anyio.open_signal_receiver(*_SIGNALS) as signals,
         ):
+            # The receiver installed the loop's handlers; ours goes in front of them.
+            for s in _SIGNALS:
+                self._chained[s] = signal.getsignal(s)
+                signal.signal(s, self._on_signal)
             task_status.started()
-            async for signum in signals:
-                if self.hurry:
-                    continue  # closing at once already
-                name = signal.Signals(signum).name
-                if self.signum is None:
-                    self.signum = int(signum)
-                    logger.warning(
-                        "%s received: stopping at the next step boundary and draining "
-                        "(flush_timeout=%ss); send it again to close at once",
-                        name,
-                        self._flush_timeout,
-                    )
-                    self._request_stop(f"preempted by {name}")
-                    continue
-                logger.warning("second stop signal: closing at once, spilling what is left")
-                self.hurry = True
-                self._on_hurry()
+            async for _ in signals:
+                self.catch_up()
 
     def stop(self) -> None:
         """Stop watching (the bus has closed); the default handlers return."""
@@ -111,8 +161,15 @@ def end_status(exc: BaseException | None, signum: int | None) -> EndStatus:
     return "cancelled" if cancelled else "failed"
 
 
-def preempted_exit(signum: int | None, exc: BaseException | None) -> SystemExit | None:
-    """The ``SystemExit`` leaving the bus raises after a stop signal, or ``None``.
+def preempted_exit(
+    signum: int | None, exc: BaseException | None
+) -> SystemExit | KeyboardInterrupt | None:
+    """What leaving the bus raises after a stop signal, or ``None``.
+
+    ``SystemExit(128 + signal)``: the status a shell reports for a process killed by that
+    signal.  In an interactive session (a notebook's kernel, IPython, ``python -i``) a SIGINT
+    is the interrupt button instead: ``KeyboardInterrupt``, which ends the cell and keeps the
+    kernel, where ``SystemExit`` would ask to quit.
 
     ``exc`` is the body's exception still propagating (``None`` if it ended or was swallowed).
     A body that failed on its own keeps its exception; one cancelled by the second signal
@@ -122,4 +179,37 @@ def preempted_exit(signum: int | None, exc: BaseException | None) -> SystemExit 
         return None
     if exc is not None and not isinstance(exc, anyio.get_cancelled_exc_class()):
         return None
+    if signum == signal.SIGINT and _interactive():
+        return KeyboardInterrupt()
     return SystemExit(128 + signum)
+
+
+def _interactive() -> bool:
+    """An interactive session: a REPL (``sys.ps1``), ``python -i``, or a running IPython."""
+    if hasattr(sys, "ps1") or sys.flags.interactive:
+        return True
+    ipython = sys.modules.get("IPython")
+    get_ipython = getattr(ipython, "get_ipython", None)
+    return callable(get_ipython) and get_ipython() is not None
+
+
+def _after_fork_in_child() -> None:
+    """A child forked while a bus watches the signals (a ``DataLoader`` worker, say).
+
+    It shares the terminal's process group, so a Ctrl-C reaches it too: it must neither write
+    that signal into the parent loop's wake-up socket, which it inherited (asyncio would then
+    deliver one Ctrl-C twice to the parent), nor stop on it.  The parent decides when the
+    job stops, and stops its workers itself.
+    """
+    handler = signal.getsignal(signal.SIGINT)
+    if not isinstance(getattr(handler, "__self__", None), StopSignals):
+        return
+    try:
+        signal.set_wakeup_fd(-1)
+        for s in _SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+    except ValueError:  # not the main thread of the main interpreter: nothing was inherited
+        pass
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -75,3 +75,80 @@ def run_in_terminal(
         proc.wait()
         os.close(master)
     return proc.returncode, b"".join(chunks)
+
+
+class Terminal:
+    """A program whose controlling terminal is a pty, as a shell starts it in the foreground.
+
+    It leads a session of its own, so the keys written by :meth:`press` reach it as a terminal
+    delivers them: ``\\x03`` (Ctrl-C) is a SIGINT to the whole foreground process group, its
+    forked children included."""
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | Path | None = None,
+    ) -> None:
+        self._master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 120, 0, 0))
+        self.proc = subprocess.Popen(
+            list(argv),
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+        )
+        os.close(slave)
+        self.output = b""
+
+    def expect(self, text: bytes, timeout: float = 120.0) -> None:
+        """Read what the program writes until ``text`` appears."""
+        deadline = time.monotonic() + timeout
+        while text not in self.output:
+            if time.monotonic() > deadline or not self._read(0.5):
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise AssertionError(f"{text!r} never appeared in:\n{self.text}")
+
+    def press(self, keys: bytes) -> None:
+        os.write(self._master, keys)
+
+    def wait(self, timeout: float = 120.0) -> int:
+        """Read until the program exits; its exit status."""
+        deadline = time.monotonic() + timeout
+        while self._read(0.5) or self.proc.poll() is None:
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise AssertionError(f"still running after {timeout}s:\n{self.text}")
+        return self.proc.wait()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 9)
+        self.proc.wait()
+        os.close(self._master)
+
+    @property
+    def text(self) -> str:
+        return self.output.decode(errors="replace").replace("\r\n", "\n")
+
+    def _read(self, wait: float) -> bool:
+        ready, _, _ = select.select([self._master], [], [], wait)
+        if not ready:
+            return False
+        try:
+            data = os.read(self._master, 65536)
+        except OSError:  # EIO: every writer closed its end
+            return False
+        self.output += data
+        return bool(data)
+
+    def __enter__(self) -> Terminal:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

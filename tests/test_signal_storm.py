@@ -14,19 +14,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
-import pyarrow.dataset as ds
 import pytest
-
-from recis_async.sinks import ParquetSink
-from recis_async.spill import read_spill, replay_spill
-from recis_async.trackers import read_records
+from storm_support import account_for_every_row
 
 SCRIPT = Path(__file__).parent / "scripts" / "storm_loop.py"
 ROOT = Path(__file__).resolve().parent.parent
-ROWS = 32  # rows per step, as in the script
 
 SIGINT, SIGTERM = signal.SIGINT, signal.SIGTERM
 # (signals, gaps between them in seconds): single, double and triple, mixed kinds, from
@@ -40,13 +34,6 @@ STORMS = [
     ((SIGTERM, SIGTERM, SIGTERM), (0.0, 0.1)),
     ((SIGINT,), ()),
 ]
-
-
-def ids_in_parquet(out: Path) -> list[int]:
-    files = [str(p) for p in (out / "t").rglob("*.parquet")]
-    if not files:
-        return []
-    return ds.dataset(files, format="parquet").to_table(columns=["id"])["id"].to_pylist()
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
@@ -84,40 +71,4 @@ def test_a_signal_storm_loses_and_duplicates_nothing(
     else:
         assert rc == 128 + signals[0], stderr
 
-    published = [int(x) for x in (tmp_path / "published.txt").read_text().split()]
-    assert published == list(range(len(published)))
-    owed = set(range(len(published) * ROWS))
-    # the step cancelled mid-publish (a second signal) may or may not have been kept
-    allowed = set(range((len(published) + 1) * ROWS))
-
-    # Parquet + spill: every owed row, none twice
-    delivered = ids_in_parquet(tmp_path)
-    spills = sorted((tmp_path / "spill").glob("*.arrows")) if (tmp_path / "spill").exists() else []
-    spilled = [
-        i
-        for path in spills
-        for entry in read_spill(path).entries
-        for i in entry.batch.to_arrow()["id"].to_pylist()
-    ]
-    counts = Counter(delivered + spilled)
-    assert not [i for i, n in counts.items() if n > 1], "rows both delivered and spilled"
-    assert owed <= counts.keys() <= allowed, (len(owed), len(counts), stderr)
-    if len(signals) == 1:
-        assert not spills, "a single signal drains everything"
-
-    # replay: the sink then holds each row exactly once, and the spill files are gone
-    for path in spills:
-        replay_spill(path, ParquetSink(tmp_path, "t", rank=0))
-        assert not path.exists()
-    final = Counter(ids_in_parquet(tmp_path))
-    assert max(final.values()) == 1
-    assert owed <= final.keys() <= allowed
-
-    # the tracker: its store plus its spill files hold every published step's value once
-    stores = list((tmp_path / "ml").rglob("metrics.jsonl"))
-    ml_spills = (
-        list((tmp_path / "ml_spill").glob("*.jsonl")) if (tmp_path / "ml_spill").exists() else []
-    )
-    steps = Counter(r.step for path in stores + ml_spills for r in read_records(path))
-    assert not [s for s, n in steps.items() if n > 1], "tracker records duplicated"
-    assert set(published) <= steps.keys() <= set(range(len(published) + 1))
+    account_for_every_row(tmp_path, single=len(signals) == 1, stderr=stderr)
