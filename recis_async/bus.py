@@ -54,6 +54,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 # (figures: benchmarks/README.md, "Bus yields").
 _YIELD_EVERY_S = 0.1
 _CLOSE_GRACE_S = 5.0  # a service that ignores its deadline is abandoned this much later
+_RECURSION_HINT = " (does a subscriber publish the event type it subscribes to?)"
 
 
 class HookBus:
@@ -88,7 +89,7 @@ class HookBus:
         self._services: list[Service] = []
         self._failures: list[HookError] = []
         self._tg: TaskGroup | None = None
-        self._state = "new"  # new -> open -> closing -> closed
+        self._state = "new"  # new -> open [-> ended: End published by hand] -> closing -> closed
         self._end_published = False
         self._unawaited: Coroutine[Any, Any, None] | None = None  # see publish()
         self._collector = StepCollector()
@@ -257,7 +258,7 @@ class HookBus:
 
     def _hurry_up(self) -> None:
         """A second stop signal: cancel the body, or cut a close under way short."""
-        if self._state == "open" and self._tg is not None:
+        if self._state in ("open", "ended") and self._tg is not None:
             self._tg.cancel_scope.cancel()  # cancels the body (not the shielded watcher)
         elif self._close_scope is not None:
             self._close_scope.deadline = -math.inf
@@ -488,6 +489,12 @@ class HookBus:
     async def _publish(self, event: Event) -> None:
         self._unawaited = None
         if self._state != "open" and self._state != "closing":  # End handlers may publish
+            if self._state == "ended":
+                raise RuntimeError(
+                    f"publish({type(event).__name__}): End was already published on this bus, "
+                    "and nothing after End reaches the hooks (their writers have flushed); "
+                    "publish End last, or leave `async with HookBus()`, which publishes it"
+                )
             raise RuntimeError(
                 f"publish(): the bus is {self._state}; publish inside `async with HookBus()`"
             )
@@ -511,6 +518,8 @@ class HookBus:
                     raise RuntimeError("publish(End): End was already published on this bus")
                 errors: list[HookError] = []
                 await self._dispatch(event, errors)
+                if self._state == "open":
+                    self._state = "ended"
                 if errors:
                     raise errors[0]
                 return
@@ -582,12 +591,18 @@ class HookBus:
         sub.errors += 1
         event_name = type(event).__name__
         if sub.on_error == "raise":
-            err = HookError(
-                f"{sub.name} failed on {event_name}: {type(exc).__name__}: {exc}",
-                subscriber=sub.name,
-                event=event_name,
-            )
-            err.__cause__ = exc
+            if isinstance(exc, HookError) and (exc.subscriber, exc.event) == (sub.name, event_name):
+                # It published the event it handles, and failed in there: one failure, not a
+                # message repeated once per level of the recursion.
+                err = exc
+            else:
+                err = HookError(
+                    f"{sub.name} failed on {event_name}: {type(exc).__name__}: {exc}"
+                    + (_RECURSION_HINT if isinstance(exc, RecursionError) else ""),
+                    subscriber=sub.name,
+                    event=event_name,
+                )
+                err.__cause__ = exc
             if errors is None:
                 sub.calls += 1  # the publish loop, which counts the other calls, ends here
                 raise err

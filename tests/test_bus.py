@@ -5,15 +5,20 @@ import math
 import threading
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
+import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
-from recis_async import Hook, HookBus, HookError, Priority
+from recis_async import Hook, HookBus, HookError, Priority, add_to_trace
 from recis_async.events import AfterStep, BeforeStep, End, Error, Event, Start
+from recis_async.hooks import TraceHook
+from recis_async.sinks import ParquetSink
 
 pytestmark = pytest.mark.anyio
 
@@ -107,7 +112,11 @@ async def test_filters_count_per_subscriber_from_its_subscription() -> None:
     assert seen == [3, 5]
 
 
-async def test_every_seconds_fires_first_then_at_most_once_per_interval() -> None:
+async def test_every_seconds_fires_first_then_at_most_once_per_interval(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = [100.0]  # the bus's clock, moved by hand: a loaded machine cannot stretch a window
+    monkeypatch.setattr("recis_async.bus.perf_counter", lambda: clock[0])
     seen: list[int] = []
     async with HookBus() as bus:
         bus.subscribe(Custom, lambda e: seen.append(e.n), every_seconds=3600)
@@ -119,9 +128,12 @@ async def test_every_seconds_fires_first_then_at_most_once_per_interval() -> Non
     async with HookBus() as bus:
         bus.subscribe(Custom, lambda e: seen.append(e.n), every_seconds=0.05)
         await bus.publish(Custom(n=0))
+        clock[0] += 0.049
         await bus.publish(Custom(n=1))
-        await anyio.sleep(0.06)
+        clock[0] += 0.002
         await bus.publish(Custom(n=2))
+        clock[0] += 0.01
+        await bus.publish(Custom(n=3))
     assert seen == [0, 2]
 
 
@@ -265,6 +277,38 @@ async def test_end_exactly_once_and_close_idempotent() -> None:
         with pytest.raises(RuntimeError, match="publish"):
             await bus.publish(Start())
     assert seen == ["ok"]
+
+
+async def test_a_step_published_after_a_manual_end_is_refused(tmp_path: Path) -> None:
+    """Once End was published by hand, the trace writer has flushed: a step after it was
+    taken silently and its rows were never written."""
+    async with HookBus() as bus:
+        bus.add_hook(TraceHook(ParquetSink(tmp_path, "t", rank=0), ["id"], ["bigint"]))
+        await bus.publish(BeforeStep(global_step=0))
+        add_to_trace("id", np.arange(4))
+        await bus.publish(AfterStep(global_step=0))
+        await bus.publish(End(status="ok"))
+        with pytest.raises(
+            RuntimeError, match=r"publish\(BeforeStep\): End was already published on this bus"
+        ):
+            await bus.publish(BeforeStep(global_step=1))
+    table = pq.read_table(tmp_path / "t")
+    assert table["id"].to_pylist() == [0, 1, 2, 3]
+
+
+async def test_a_subscriber_that_publishes_its_own_event_fails_with_one_short_message() -> None:
+    async with HookBus() as bus:
+
+        async def again(event: BeforeStep) -> None:
+            await bus.publish(event)
+
+        bus.subscribe(BeforeStep, again)
+        with pytest.raises(HookError) as caught:
+            await bus.publish(BeforeStep(global_step=0))
+    message = str(caught.value)
+    assert len(message) < 400, message  # was 25 KB: the message once per level
+    assert message.count("failed on BeforeStep") == 1
+    assert "RecursionError" in message and "publish the event type it subscribes to" in message
 
 
 async def test_end_reaches_every_subscriber_even_if_one_fails() -> None:

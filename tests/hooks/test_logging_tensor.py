@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 
-import anyio
 import pytest
 from hooks_support import loop
 
@@ -46,12 +45,16 @@ async def test_logging_tensor_every_n_iter(caplog: pytest.LogCaptureFixture) -> 
     assert len(warnings) == 1 and "'nope' is neither in AfterStep.metrics" in warnings[0]
 
 
-async def test_logging_tensor_every_n_secs(caplog: pytest.LogCaptureFixture) -> None:
+async def test_logging_tensor_every_n_secs(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = [100.0]  # the bus's clock, moved by hand: a loaded machine cannot stretch a window
+    monkeypatch.setattr("recis_async.bus.perf_counter", lambda: clock[0])
     with caplog.at_level(logging.INFO, logger="recis_async.hooks.logging_tensor"):
         async with HookBus() as bus:
             bus.add_hook(LoggingTensorHook(["loss"], every_n_secs=0.05))
-            await loop(bus, [1.0, 2.0, 3.0])  # logs step 0 only: too quick for another
-            await anyio.sleep(0.06)
+            await loop(bus, [1.0, 2.0, 3.0])  # logs step 0 only: no time passed
+            clock[0] += 0.06
             await loop(bus, [4.0, 5.0], first=3)  # logs step 3
     lines = [r.getMessage() for r in caplog.records]
     assert [line.split(" (")[0] for line in lines] == [
