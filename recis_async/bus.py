@@ -100,6 +100,7 @@ class HookBus:
         )
         self._stopping: anyio.Event | None = None  # made on enter: an Event needs the loop
         self._close_scope: anyio.CancelScope | None = None
+        self._loop: object = None  # the event loop run the bus was entered in
         self._service_scopes: list[anyio.CancelScope] = []
         self._last_yield = 0.0
         self.rank = dist.get_rank()
@@ -113,6 +114,7 @@ class HookBus:
         await tg.__aenter__()
         self._tg = tg
         self._state = "open"
+        self._loop = anyio.lowlevel.current_token()
         self._stopping = anyio.Event()
         if self._stop_reason is not None:
             self._stopping.set()
@@ -172,6 +174,7 @@ class HookBus:
     async def _close(self, exc: BaseException | None) -> list[HookError]:
         if self._state in ("closing", "closed"):
             return []
+        self._check_loop("close")
         self._state = "closing"
         errors: list[HookError] = []
         if self._unawaited is not None:
@@ -263,6 +266,22 @@ class HookBus:
         elif self._close_scope is not None:
             self._close_scope.deadline = -math.inf
 
+    def _check_loop(self, where: str) -> None:
+        """Refuse a bus entered in one event loop run and used in another (two ``anyio.run``
+        calls): its task group and services died with the first."""
+        if self._loop is None:
+            return
+        try:
+            same = anyio.lowlevel.current_token() == self._loop
+        except Exception:  # no event loop running in this thread at all
+            same = False
+        if not same:
+            raise RuntimeError(
+                f"HookBus.{where}(): the bus was entered in another event loop run (an earlier "
+                "anyio.run or asyncio.run?), which has ended with its background services; "
+                "a bus lives inside one `async with HookBus()` in one run"
+            )
+
     async def _run_service(self, service: Service) -> None:
         """Run a service shielded from outer cancellation: when the body is cancelled the
         service must live on until close drains it.  Close cancels it explicitly after
@@ -292,6 +311,7 @@ class HookBus:
             raise TypeError(f"add_hook(hook=...): expected a Hook instance, got {hook!r}")
         if self._state in ("closing", "closed"):
             raise RuntimeError("add_hook(): the bus is closed")
+        self._check_loop("add_hook")
         if any(h is hook for h in self._hooks):
             raise ValueError(f"add_hook(): {hook!r} was already added to this bus")
         key = hook.state_key
@@ -356,6 +376,7 @@ class HookBus:
             raise TypeError(f"start_service(service=...): expected a Service, got {service!r}")
         if self._state in ("closing", "closed"):
             raise RuntimeError("start_service(): the bus is closed")
+        self._check_loop("start_service")
         self._services.append(service)
         if self._tg is not None:
             self._tg.start_soon(self._run_service, service, name=f"service:{service.name}")

@@ -711,3 +711,20 @@ async def test_services_outlive_an_outer_cancellation_until_drained() -> None:
                 worker.send.send_nowait(i)
             await anyio.sleep_forever()
     assert delivered == list(range(50))
+
+
+def test_a_bus_used_in_a_second_event_loop_run_says_so() -> None:
+    """Entered in one ``anyio.run`` and closed in another: its task group died with the first
+    (on asyncio the second run got anyio's own error; trio refuses the first run's end
+    itself, a nursery left open)."""
+    bus = HookBus()
+
+    async def enter() -> None:
+        await bus.__aenter__()
+
+    async def close() -> None:
+        await bus.aclose()
+
+    anyio.run(enter, backend="asyncio")
+    with pytest.raises(RuntimeError, match=r"HookBus.close\(\): the bus was entered in another"):
+        anyio.run(close, backend="asyncio")
