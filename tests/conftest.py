@@ -13,6 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # Made by tools, not by the code under test.
 _TOOL_FILES = {".pytest_cache", ".mypy_cache", ".ruff_cache", "__pycache__", ".hypothesis"}
+# torch's compile cache and torchrun's rendezvous folders, which torch leaves on purpose
+_TORCH_FILES = ("torchinductor_", "torchelastic_")
 
 
 @pytest.fixture(params=["asyncio", "trio"])
@@ -37,8 +39,7 @@ def shared_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 def _left(path: Path) -> set[str]:
-    # torch keeps its compile cache in the temp folder, on purpose and for every run
-    return {p.name for p in path.iterdir() if not p.name.startswith("torchinductor_")} - _TOOL_FILES
+    return {p.name for p in path.iterdir() if not p.name.startswith(_TORCH_FILES)} - _TOOL_FILES
 
 
 @pytest.fixture(autouse=True)

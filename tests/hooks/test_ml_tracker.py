@@ -397,7 +397,9 @@ async def test_a_tracker_failing_every_flush_logs_three_tracebacks_then_counts(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     tracker = FlakyJsonl(tmp_path, fail_calls=range(1, 10_000))
-    hook = MLTrackerHook("p", "r", tracker=tracker, on_error="log", flush_interval=0.0)
+    hook = MLTrackerHook(
+        "p", "r", tracker=tracker, on_error="log", flush_interval=0.0, spill_dir=tmp_path / "s"
+    )
     async with HookBus() as bus:
         bus.add_hook(hook)
         for step in range(40):

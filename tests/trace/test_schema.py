@@ -265,14 +265,14 @@ def test_writable_arrays_are_copied_and_frozen_private_ones_are_kept() -> None:
     assert not np.shares_memory(convert("f", type_, view).values, view)
 
 
-def test_the_first_arrow_conversion_imports_nothing_more() -> None:
+def test_the_first_arrow_conversion_imports_nothing_more(tmp_path: Path) -> None:
     """pyarrow's ``pa.array`` imports pandas on its first call (~130 ms holding the GIL).
     Once the buffer and the sink are set up (before the loop), a fresh process appends every
     type (on the step), converts it to Arrow and writes Parquet (in the writer, overlapping
     steps) without importing anything more."""
     code = textwrap.dedent(
         """
-        import sys, tempfile, datetime
+        import sys, datetime
         import numpy as np
         from recis_async.trace.base import Attempt
         from recis_async.trace.buffer import ColumnBuffer
@@ -282,7 +282,7 @@ def test_the_first_arrow_conversion_imports_nothing_more() -> None:
         types = ("bigint", "int", "double", "float", "boolean", "string", "binary", "datetime",
                  "array<float>", "array<string>")
         buffer = ColumnBuffer(fields, types)
-        sink = ParquetSink(tempfile.mkdtemp(), "t", rank=0)
+        sink = ParquetSink(sys.argv[1], "t", rank=0)
         sink.open(buffer.fields, buffer.types)
         before = set(sys.modules)
         buffer.append({"i": [1, 2], "n": [3, 4], "d": [0.5, 1.5], "f": [2.5, 3.5],
@@ -299,7 +299,7 @@ def test_the_first_arrow_conversion_imports_nothing_more() -> None:
         """
     )
     result = subprocess.run(
-        [sys.executable, "-c", code],
+        [sys.executable, "-c", code, str(tmp_path)],
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
         capture_output=True,
         text=True,
