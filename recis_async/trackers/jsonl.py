@@ -74,7 +74,17 @@ def read_records(path: str | os.PathLike[str]) -> list[StepRecord]:
             os.fspath(path),
             len(torn),
         )
-    return [decoder.decode(line) for line in whole.split(b"\n") if line.strip()]
+    records = []
+    for number, line in enumerate(whole.split(b"\n"), 1):
+        if line.strip():
+            try:
+                records.append(decoder.decode(line))
+            except msgspec.DecodeError as exc:
+                raise ValueError(
+                    f"read_records: {os.fspath(path)} line {number}: expected a record, "
+                    f"got {line[:60]!r} ({exc})"
+                ) from None
+    return records
 
 
 def _whole_lines(path: Path) -> int:
