@@ -97,7 +97,9 @@ def replay_file(
         file.unlink()
         meta_file = _meta_path(file)
         stem = meta_file.name[: -len(".run.json")]
-        if not any(p.name.endswith(".jsonl") for p in file.parent.glob(f"{stem}*")):
+        if not any(
+            p.name.startswith(stem) and p.name.endswith(".jsonl") for p in file.parent.iterdir()
+        ):
             meta_file.unlink(missing_ok=True)
     return result
 
