@@ -31,17 +31,19 @@ SCRIPT = textwrap.dedent(
     from recis_async.trackers import MlflowTracker
 
     uri, spill, backend, mode = sys.argv[1:5]
+    DEADLINE, STEPS, STOP_AT = map(float, sys.argv[5:8])
+    STEPS, STOP_AT = int(STEPS), int(STOP_AT)
 
     async def main():
         tracker = MlflowTracker(uri)
         hook = MLTrackerHook("faults", "job", tracker=tracker, spill_dir=spill,
                              flush_interval=0.01, on_error="log")
         try:
-            async with HookBus(flush_timeout=%(deadline)s) as bus:
+            async with HookBus(flush_timeout=DEADLINE) as bus:
                 bus.add_hook(hook)
                 await bus.publish(Start())
-                for step in range(%(steps)d):
-                    if step == %(stop_at)d:
+                for step in range(STEPS):
+                    if step == STOP_AT:
                         os.kill(tracker.pid, signal.SIGSTOP if mode == "stop" else signal.SIGKILL)
                     await bus.publish(BeforeStep(global_step=step))
                     add_to_ml_tracker("loss", float(step))
@@ -54,7 +56,6 @@ SCRIPT = textwrap.dedent(
 
     anyio.run(main, backend=backend)
     """
-    % {"deadline": DEADLINE, "steps": STEPS, "stop_at": STOP_AT}
 )
 
 
@@ -65,7 +66,8 @@ def _run(tmp_path: Path, backend: str, mode: str) -> tuple[str, str, Path, float
     script.write_text(SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
     proc = subprocess.Popen(
-        [sys.executable, str(script), uri, str(spill), backend, mode],
+        [sys.executable, str(script), uri, str(spill), backend, mode]
+        + [str(DEADLINE), str(STEPS), str(STOP_AT)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env=env,
