@@ -164,8 +164,12 @@ class MLTrackerHook(Hook):
     def outputs(self) -> dict[str, str]:
         where = {"experiment tracking": tracker_location(self.tracker, self.project)}
         service = self._service
-        if service is not None and service.run_id is not None:
-            where["experiment tracking"] += f" (run {service.run_id})"
+        if (
+            service is not None
+            and service.run_id
+            and service.run_id not in where["experiment tracking"]
+        ):
+            where["experiment tracking"] += f" (run {service.run_id})"  # MLflow: not in the URI
         if service is not None and service.spill_files:
             where["untracked records (see read_records)"] = ", ".join(
                 os.path.abspath(path) for path in service.spill_files
