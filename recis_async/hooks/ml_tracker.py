@@ -5,6 +5,11 @@ so bad input fails at that publish) and buffered; a :class:`~recis_async.tracker
 hands them to the tracker in a worker thread, batched.  ``AfterEval`` metrics are logged
 under ``eval/``.  ``End.status`` decides how the run ends (MLflow: FINISHED / FAILED /
 KILLED).  Other hooks send their own values with :meth:`MLTrackerHook.log_metrics`.
+
+The run's id is in :meth:`MLTrackerHook.state_dict`, so a job resumed from a checkpoint
+continues that run (MLflow, TensorBoard, JSONL alike) instead of opening a new one, and each
+step is in the run once: the tracker supersedes what the earlier attempt logged after the
+checkpoint (see each tracker).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import OnError
-from ..events import AfterEval, AfterStep, End, Start
+from ..events import AfterEval, AfterLoadCheckpoint, AfterStep, End, Start
 from ..hook import Hook
 from ..trackers import JsonlTracker, RunSpec, StepRecord, Tracker, TrackerService
 from ..trackers.base import (
@@ -40,11 +45,14 @@ class MLTrackerHook(Hook):
     """Log tracked values and the config of a run to ``tracker`` (a
     :class:`~recis_async.trackers.JsonlTracker` under ``./ml_tracker`` by default).
 
-    ``project`` / ``name`` name the run (MLflow experiment / run name), ``id`` resumes an
-    existing run.  ``max_buffer_bytes`` bounds what waits for the tracker (a step publishing
-    into a full buffer waits: backpressure), ``flush_interval`` is the longest a value waits
-    before it is sent.  A failing tracker follows ``on_error``; records it could not take are
-    kept in a spill file under ``spill_dir``.  Rank 0 only by default.
+    ``project`` / ``name`` name the run (MLflow experiment / run name), ``id`` names a run
+    to continue, or to create under that id (for MLflow: found again by its
+    ``recis_async.id`` tag).  A checkpoint holds the run's real id (:meth:`state_dict`):
+    restoring it continues that run.  ``max_buffer_bytes`` bounds what waits for the
+    tracker (a step publishing into a full buffer waits: backpressure), ``flush_interval``
+    is the longest a value waits before it is sent.  A failing tracker follows
+    ``on_error``; records it could not take are kept in a spill file under ``spill_dir``
+    (or the system temp folder when that cannot be written).  Rank 0 only by default.
 
     Args:
         project: the project (MLflow experiment).
@@ -126,11 +134,46 @@ class MLTrackerHook(Hook):
         """Whether :meth:`log_metrics` can take values now (attached, not closing)."""
         return self._service is not None and self._service.accepting
 
+    def state_dict(self) -> dict[str, Any]:
+        """The run's id as the tracker knows it (MLflow's run id, the JSONL / TensorBoard
+        folder), so a resumed job continues the same run."""
+        service = self._service
+        run_id = service.run_id if service is not None else None
+        return {"run_id": run_id} if run_id is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the checkpoint's run: the run opened at start is discarded (it holds
+        nothing yet) and the checkpoint's is opened before the next batch is sent."""
+        run_id = state.get("run_id")
+        if run_id is None:
+            return
+        if not isinstance(run_id, str) or not run_id:
+            raise ValueError(
+                f"{self.state_key}.load_state_dict: expected a non-empty str run_id, got {run_id!r}"
+            )
+        self.id = run_id
+        if self._service is not None:
+            self._service.continue_run(run_id)
+
+    async def after_load_checkpoint(self, event: AfterLoadCheckpoint) -> None:
+        """Return once the checkpoint's run is open, so the first step after the restore
+        logs into it."""
+        if self._service is not None:
+            await self._service.wait_continued()
+
     def outputs(self) -> dict[str, str]:
         where = {"experiment tracking": tracker_location(self.tracker, self.project)}
         service = self._service
-        if service is not None and service.spill_path is not None:
-            where["untracked records (see read_records)"] = os.path.abspath(service.spill_path)
+        if (
+            service is not None
+            and service.run_id
+            and service.run_id not in where["experiment tracking"]
+        ):
+            where["experiment tracking"] += f" (run {service.run_id})"  # MLflow: not in the URI
+        if service is not None and service.spill_files:
+            where["untracked records (see read_records)"] = ", ".join(
+                os.path.abspath(path) for path in service.spill_files
+            )
         elif service is None or not service.stats()["logged"]:
             spill = service.spill_dir if service is not None else self._service_args["spill_dir"]
             spill_dir = os.path.abspath(spill if spill is not None else default_spill_dir())

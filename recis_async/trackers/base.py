@@ -218,6 +218,15 @@ def chunked(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
         yield items[i : i + size]
 
 
+def public_uri(uri: str) -> str:
+    """``uri`` without a user and password; otherwise exactly as given (``sqlite:///a.db``
+    keeps its three slashes)."""
+    parts = urlsplit(uri)
+    if "@" not in parts.netloc:
+        return uri
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
 def tracker_location(tracker: object, project: str) -> str:
     """Where a tracker keeps a run, for a person: a folder, or an MLflow tracking URI without
     its user and password; other trackers by their ``repr``."""
@@ -234,7 +243,17 @@ def tracker_location(tracker: object, project: str) -> str:
         uri = getattr(tracker, "tracking_uri", None)
         if not uri:
             return "MLflow (its default tracking URI)"
-        parts = urlsplit(str(uri))
-        netloc = parts.netloc.rpartition("@")[2]
-        return f"MLflow at {urlunsplit(parts._replace(netloc=netloc))}"
+        return f"MLflow at {public_uri(str(uri))}"
     return repr(tracker)
+
+
+def tracker_target(tracker: object) -> dict[str, str | None]:
+    """What a replay needs to reach a tracker's store again (no credentials)."""
+    if hasattr(tracker, "tracking_uri"):
+        uri = getattr(tracker, "tracking_uri", None)
+        return {"tracking_uri": public_uri(str(uri)) if uri else None}
+    for field in ("root", "log_dir"):
+        value = getattr(tracker, field, None)
+        if value is not None:
+            return {field: os.path.abspath(value)}
+    return {}

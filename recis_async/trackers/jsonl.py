@@ -7,27 +7,38 @@ Layout of a run: ``<root>/<project>/<run_id>/``
 - ``metrics.jsonl`` one :class:`~recis_async.trackers.StepRecord` per line
   (``{"step": .., "time": .., "values": {...}}``; arrays are lists, NaN is ``null``)
 
-Passing an existing ``run_id`` resumes that run: metrics are appended, params replaced.
+Passing an existing ``run_id`` resumes that run: metrics are appended, params replaced.  A
+resumed run that logs again from step ``s`` (a job restored from an earlier checkpoint)
+first drops the earlier attempt's records of steps ``>= s``, so each step is in the file
+once, as the attempt that continues logged it (TensorBoard's ``purge_step``).
+
+A batch is written whole or not at all: a write that fails midway (a full disk) is cut back
+to the last whole line before the error is raised, so the caller may keep the batch
+elsewhere without doubling a record.  :func:`read_records` skips a torn last line (a crash
+mid-write) with a warning.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import secrets
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import msgspec
 
 from .._checks import creatable_dir
 from .._files import atomic_path
 from ..events import EndStatus
-from .base import RunSpec, StepRecord, append_jsonl, encode_value
+from .base import RunSpec, StepRecord, encode_value
 
 __all__ = ["JsonlTracker", "RunInfo", "read_records"]
+
+logger = logging.getLogger(__name__)
 
 _UNSAFE = re.compile(r"[^\w.\-]+")
 
@@ -49,10 +60,67 @@ def _safe(part: str) -> str:
 
 
 def read_records(path: str | os.PathLike[str]) -> list[StepRecord]:
-    """Read a ``metrics.jsonl`` (or a tracker spill file) back into records."""
+    """Read a ``metrics.jsonl`` (or a tracker spill file) back into records.
+
+    A torn last line (no newline: the writer died mid-write) is skipped with a warning; any
+    other line that does not decode raises."""
     decoder = msgspec.json.Decoder(StepRecord)
     with open(path, "rb") as fh:
-        return [decoder.decode(line) for line in fh if line.strip()]
+        data = fh.read()
+    whole, _, torn = data.rpartition(b"\n") if not data.endswith(b"\n") else (data, b"", b"")
+    if torn.strip():
+        logger.warning(
+            "read_records: %s ends with a torn line of %d bytes (a write cut short); skipped",
+            os.fspath(path),
+            len(torn),
+        )
+    records = []
+    for number, line in enumerate(whole.split(b"\n"), 1):
+        if line.strip():
+            try:
+                records.append(decoder.decode(line))
+            except msgspec.DecodeError as exc:
+                raise ValueError(
+                    f"read_records: {os.fspath(path)} line {number}: expected a record, "
+                    f"got {line[:60]!r} ({exc})"
+                ) from None
+    return records
+
+
+def _whole_lines(path: Path) -> int:
+    """The size of ``path`` without a torn last line (bytes after the last newline)."""
+    with open(path, "rb") as fh:
+        size = fh.seek(0, os.SEEK_END)
+        pos = size
+        while pos > 0:
+            step = min(pos, 1 << 16)
+            fh.seek(pos - step)
+            chunk = fh.read(step)
+            cut = chunk.rfind(b"\n")
+            if cut >= 0:
+                return pos - step + cut + 1
+            pos -= step
+        return 0
+
+
+def write_whole(fd: int, data: bytes) -> None:
+    """Append ``data`` (whole lines) to ``fd`` or, on failure, leave the file as it was:
+    a partial write is truncated away before the error propagates.  Should the truncation
+    fail too, the error carries ``delivered``: the whole lines of ``data`` that stayed."""
+    start = os.lseek(fd, 0, os.SEEK_END)
+    view = memoryview(data)
+    done = 0
+    try:
+        while done < len(view):
+            done += os.write(fd, view[done:])
+    except OSError as exc:
+        if done:
+            try:
+                os.ftruncate(fd, start)
+            except OSError:
+                kept = data.rfind(b"\n", 0, done) + 1
+                exc.delivered = data.count(b"\n", 0, kept)  # type: ignore[attr-defined]
+        raise
 
 
 class JsonlTracker:
@@ -66,8 +134,12 @@ class JsonlTracker:
         root_path = Path(creatable_dir("JsonlTracker", "root", root))
         self.root = root_path
         self.run_dir: Path | None = None
+        self.run_id: str | None = None
         self._info: RunInfo | None = None
-        self._metrics: IO[bytes] | None = None
+        self._fd: int | None = None
+        self._continued = False  # the run existed: its first log supersedes later steps
+        self._created = False  # this start made the run folder
+        self._logged = False
         self._encoder = msgspec.json.Encoder(enc_hook=encode_value)
 
     def __repr__(self) -> str:
@@ -78,6 +150,7 @@ class JsonlTracker:
             f"{_safe(run.name)}-{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}"
         )
         run_dir = self.root / _safe(run.project) / _safe(run_id)
+        self._created = not run_dir.exists()
         run_dir.mkdir(parents=True, exist_ok=True)
         info_path = run_dir / "run.json"
         if info_path.exists():
@@ -89,21 +162,87 @@ class JsonlTracker:
             )
         self._write_atomic(run_dir / "params.json", self._encoder.encode(run.params))
         self._write_atomic(info_path, self._encoder.encode(info))
-        self._metrics = open(run_dir / "metrics.jsonl", "ab")
-        self.run_dir, self._info = run_dir, info
+        metrics = run_dir / "metrics.jsonl"
+        self._fd = os.open(metrics, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._continued = os.fstat(self._fd).st_size > 0
+        self._logged = False
+        self.run_dir, self.run_id, self._info = run_dir, info.run_id, info
 
     def log(self, records: Sequence[StepRecord]) -> None:
-        if self._metrics is None:
+        if self._fd is None or self.run_dir is None:
             raise RuntimeError("JsonlTracker.log: the run is not started")
-        append_jsonl(self._metrics, self._encoder, records)
+        if not records:
+            return
+        if not self._logged:
+            self._supersede(min(record.step for record in records))
+        else:
+            self._cut_torn_tail()
+        buf = bytearray()
+        for record in records:
+            self._encoder.encode_into(record, buf, -1)
+            buf += b"\n"
+        write_whole(self._fd, bytes(buf))
+        self._logged = True
+
+    def _cut_torn_tail(self) -> None:
+        """Remove a torn last line an earlier failed write could not cut back."""
+        assert self._fd is not None and self.run_dir is not None
+        path = self.run_dir / "metrics.jsonl"
+        keep = _whole_lines(path)
+        if keep != os.fstat(self._fd).st_size:
+            os.ftruncate(self._fd, keep)
+
+    def _supersede(self, first_step: int) -> None:
+        """The first batch of a resumed run: drop the earlier attempt's records of steps
+        ``>= first_step`` (and a torn last line), so each step is stored once."""
+        assert self._fd is not None and self.run_dir is not None
+        if not self._continued:
+            return
+        path = self.run_dir / "metrics.jsonl"
+        records = read_records(path)
+        kept = [record for record in records if record.step < first_step]
+        if len(kept) == len(records) and _whole_lines(path) == os.fstat(self._fd).st_size:
+            return
+        logger.info(
+            "JsonlTracker: run %s continues at step %d; %d records of steps >= %d from an "
+            "earlier attempt are replaced",
+            self.run_id,
+            first_step,
+            len(records) - len(kept),
+            first_step,
+        )
+        buf = bytearray()
+        for record in kept:
+            self._encoder.encode_into(record, buf, -1)
+            buf += b"\n"
+        os.close(self._fd)
+        self._fd = None
+        self._write_atomic(path, bytes(buf))
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+
+    def discard(self) -> None:
+        """End the run just started without a trace if nothing was logged to it (a resumed
+        job continues its checkpoint's run instead)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        run_dir, self.run_dir, self._info = self.run_dir, None, None
+        if run_dir is not None and self._created and not self._logged:
+            for name in ("metrics.jsonl", "params.json", "run.json"):
+                (run_dir / name).unlink(missing_ok=True)
+            try:
+                run_dir.rmdir()
+            except OSError:
+                pass
 
     def finish(self, status: EndStatus) -> None:
-        if self._metrics is None or self._info is None or self.run_dir is None:
+        if self._fd is None or self._info is None or self.run_dir is None:
             return
-        self._metrics.flush()
-        os.fsync(self._metrics.fileno())
-        self._metrics.close()
-        self._metrics = None
+        fd, self._fd = self._fd, None
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         self._info.status, self._info.end_time = status, time.time()
         self._write_atomic(self.run_dir / "run.json", self._encoder.encode(self._info))
 

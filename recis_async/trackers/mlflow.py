@@ -8,7 +8,12 @@ child process through :class:`~recis_async.trackers.SubprocessTracker`; the trai
 only encodes each batch and writes it to a pipe.  ``MlflowClientTracker`` is the same tracker
 in-process, for callers that cannot start a process.
 
-``project`` is the experiment, ``name`` the run name, ``run_id`` resumes a run.  Scalars are
+``project`` is the experiment, ``name`` the run name.  ``run_id`` continues a run: an MLflow
+run id, or a name of the user's own (``MLTrackerHook(id="my-job-1")``), kept in the run's
+``recis_async.id`` tag, which finds the run again on a restart (created on first use).  A
+continued run that logs again from step ``s`` keeps, for each metric, the points of steps
+``>= s`` it already holds and skips the new ones (MLflow cannot delete a point): each step is
+in the run once.  Scalars are
 metrics sent with ``log_batch`` in requests of at most 1000 metrics and about 1 MB (MLflow's
 own limits); arrays, which MLflow metrics cannot hold, go to a ``tracked/arrays.jsonl``
 artifact uploaded when the run finishes.  Params are flattened (``a.b``) and sent 100 per
@@ -52,6 +57,8 @@ MAX_METRICS_PER_REQUEST = 1000
 MAX_REQUEST_BYTES = 1_000_000
 MAX_PARAMS_PER_REQUEST = 100
 MAX_PARAM_VALUE_CHARS = 6000
+#: the tag holding a run id given by the user (MLflow makes its own run ids)
+ID_TAG = "recis_async.id"
 # JSON framing of one metric in a REST request besides its key: value, timestamp, step.
 _METRIC_OVERHEAD_BYTES = 96
 
@@ -96,6 +103,16 @@ def metric_requests(metrics: Sequence[Any]) -> list[list[Any]]:
     return requests
 
 
+def stored_points(client: Any, run_id: str, keys: set[str], min_step: int) -> set[tuple[str, int]]:
+    """``(key, step)`` of the run's points of ``keys`` at steps ``>= min_step``."""
+    stored: set[tuple[str, int]] = set()
+    for key in keys:
+        for metric in client.get_metric_history(run_id, key):
+            if metric.step >= min_step:
+                stored.add((metric.key, int(metric.step)))
+    return stored
+
+
 class MlflowTracker(SubprocessTracker):
     """Log to MLflow from a child process.  ``tracking_uri`` may be ``sqlite:///path.db``
     (local, offline), an ``http(s)://`` server, or any URI mlflow accepts; ``None`` uses
@@ -134,6 +151,8 @@ class MlflowTracker(SubprocessTracker):
 
     def __repr__(self) -> str:
         # The URI may carry user:password for an http server; never show it.
+        if self.run_id is None and self.requested_id is not None:
+            return f"MlflowTracker(id={self.requested_id!r})"
         return f"MlflowTracker(run_id={self.run_id!r})"
 
 
@@ -163,6 +182,9 @@ class MlflowClientTracker:
         self.tags = dict(tags or {})
         self.run_id: str | None = None
         self._client: Any = None
+        self._created = False
+        self._logged = False
+        self._continued = False
         self._array_dir: str | None = None
         self._arrays: IO[bytes] | None = None
         self._encoder = msgspec.json.Encoder(enc_hook=encode_value)
@@ -202,16 +224,22 @@ class MlflowClientTracker:
         from mlflow.entities import Param
 
         client = MlflowClient(tracking_uri=self.tracking_uri)
-        if run.run_id:
-            existing = client.get_run(run.run_id)
+        existing = self._find_run(client, run) if run.run_id else None
+        if existing is not None:
             run_id = existing.info.run_id
             client.update_run(run_id, status="RUNNING")
             old_params = dict(existing.data.params)
+            logger.info("MlflowTracker: continuing run %s (%s)", run_id, run.run_id)
         else:
             experiment_id = self._experiment_id(client, run.project)
-            created = client.create_run(experiment_id, run_name=run.name, tags=self.tags or None)
+            tags = dict(self.tags)
+            if run.run_id:
+                tags[ID_TAG] = run.run_id
+            created = client.create_run(experiment_id, run_name=run.name, tags=tags or None)
             run_id = created.info.run_id
             old_params = {}
+            logger.info("MlflowTracker: new run %s (%s)", run_id, run.run_id or run.name)
+        self._created, self._continued, self._logged = existing is None, existing is not None, False
         params = []
         for key, value in run.params.items():
             text = str(value)
@@ -238,6 +266,39 @@ class MlflowClientTracker:
         for part in chunked(params, MAX_PARAMS_PER_REQUEST):
             client.log_batch(run_id, params=list(part), synchronous=True)
         self._client, self.run_id = client, run_id
+
+    def _find_run(self, client: Any, run: RunSpec) -> Any:
+        """The run ``run.run_id`` names: an MLflow run id, else the run tagged with it in
+        the project's experiment; ``None`` if there is none yet."""
+        try:
+            return client.get_run(run.run_id)
+        except self._mlflow.exceptions.MlflowException:
+            pass
+        experiment = client.get_experiment_by_name(run.project)
+        if experiment is None:
+            return None
+        value = str(run.run_id).replace("'", "\\'")
+        found = client.search_runs(
+            [experiment.experiment_id],
+            filter_string=f"tags.`{ID_TAG}` = '{value}'",
+            max_results=1,
+            order_by=["attributes.start_time DESC"],
+        )
+        return found[0] if found else None
+
+    def discard(self) -> None:
+        self._scrubbed(self._discard)
+
+    def _discard(self) -> None:
+        """Drop the run just created if nothing was logged (a resumed job continues its
+        checkpoint's run instead)."""
+        if self._client is None or self.run_id is None:
+            return
+        if self._created and not self._logged:
+            self._client.delete_run(self.run_id)
+        else:
+            self._client.set_terminated(self.run_id, status="KILLED")
+        self._client, self.run_id = None, None
 
     def _experiment_id(self, client: Any, project: str) -> str:
         found = client.get_experiment_by_name(project)
@@ -269,10 +330,30 @@ class MlflowClientTracker:
                     metrics.append(Metric(key, float(value), timestamp, record.step))
             if array_values:
                 arrays.append(StepRecord(record.step, record.time, array_values))
+        if metrics and self._continued and not self._logged:
+            metrics = self._skip_stored(metrics, min(record.step for record in records))
+        self._logged = True
         for request in metric_requests(metrics):
             self._client.log_batch(self.run_id, metrics=request, synchronous=True)
         if arrays:
             self._spool_arrays(arrays)
+
+    def _skip_stored(self, metrics: list[Any], first_step: int) -> list[Any]:
+        """The first batch of a continued run: leave out points of steps the run already
+        holds (an earlier attempt logged from ``first_step`` on)."""
+        assert self._client is not None and self.run_id is not None
+        stored = stored_points(self._client, self.run_id, {m.key for m in metrics}, first_step)
+        kept = [m for m in metrics if (m.key, m.step) not in stored]
+        if len(kept) != len(metrics):
+            logger.warning(
+                "MlflowTracker: run %s already holds %d of these points (steps >= %d from an "
+                "earlier attempt); MLflow cannot delete points, so those are kept and the new "
+                "ones skipped",
+                self.run_id,
+                len(metrics) - len(kept),
+                first_step,
+            )
+        return kept
 
     def _spool_arrays(self, records: list[StepRecord]) -> None:
         if self._arrays is None:

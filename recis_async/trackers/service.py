@@ -33,7 +33,16 @@ from .._checks import on_error as check_on_error
 from ..console import log_failure
 from ..errors import OnError, TrackerError
 from ..events import EndStatus
-from .base import RunSpec, StepRecord, Tracker, encode_value, record_nbytes
+from .base import (
+    RunSpec,
+    StepRecord,
+    Tracker,
+    encode_value,
+    record_nbytes,
+    tracker_location,
+    tracker_target,
+)
+from .jsonl import write_whole
 
 __all__ = ["TrackerService", "check_settings"]
 
@@ -122,6 +131,13 @@ class TrackerService:
         self.on_error: OnError = on_error
         self.spill_dir = Path(spill_dir) if spill_dir is not None else default_spill_dir()
         self.spill_path: Path | None = None
+        #: spill files written so far (unsent records; ``*.inflight.jsonl``: delivery unknown)
+        self.spill_files: list[Path] = []
+        #: the tracker's own id of the run once started (MLflow's run id, the JSONL folder)
+        self.run_id: str | None = None
+        self._spill_name = ""
+        self._reopen: str | None = None  # a run to continue instead of the one started
+        self._reopened: anyio.Event | None = None
         self._status: EndStatus = default_status
         self._pending: deque[tuple[StepRecord, int]] = deque()
         self._pending_bytes = 0
@@ -146,6 +162,7 @@ class TrackerService:
             "errors": 0,
             "spilled": 0,
             "dropped": 0,
+            "lost": 0,
         }
 
     # ----------------------------------------------------------------- producer side
@@ -189,7 +206,7 @@ class TrackerService:
         if self._failure is not None:
             raise TrackerError(
                 f"{self.name}: the tracker failed earlier ({self._failure!r}); "
-                f"undelivered records are in {self.spill_path}"
+                f"undelivered records are in {self._spill_text()}"
             ) from self._failure
         if self._closing:
             raise RuntimeError(f"{self.name}: put after close")
@@ -227,29 +244,103 @@ class TrackerService:
             await self._start_tried.wait()
         return self._started
 
-    async def _serve(self) -> None:
-        if self._start_tried is None:
-            self._start_tried = anyio.Event()
+    def continue_run(self, run_id: str) -> None:
+        """Continue the run ``run_id`` (a resumed job's, from its checkpoint) instead of the
+        one opened at start: before the next batch is sent, the run opened at start is
+        discarded (or finished, if the tracker cannot discard) and ``run_id`` is opened."""
+        if run_id == self.run_id and self._started:
+            return
+        self._reopen = run_id
+        if self._reopened is None or self._reopened.is_set():
+            self._reopened = anyio.Event()
+        self._flush_requested = True
+        self._notify()
+
+    async def wait_continued(self) -> None:
+        """Wait until :meth:`continue_run` took effect (or the service stopped)."""
+        while self._reopen is not None and not self._stopped():
+            await self._wait()
+
+    def _stopped(self) -> bool:
+        return bool(
+            self._failure or self._disabled or (self._done is not None and self._done.is_set())
+        )
+
+    async def _open(self, run: RunSpec) -> bool:
+        """``tracker.start(run)``; a failure follows ``on_error`` (returns False to stop)."""
         try:
-            await self._in_thread(self.tracker.start, self.run_spec)
+            await self._in_thread(self.tracker.start, run)
         except Exception as exc:
             self._counts["errors"] += 1
+            self._started = False
+            assert self._start_tried is not None
             self._start_tried.set()
             await self._give_up(exc, "start")
             if self.on_error == "raise":
                 raise TrackerError(f"{self.name}: tracker.start failed: {exc!r}") from exc
-            return
+            return False
+        self.run_spec = run
+        run_id = getattr(self.tracker, "run_id", None)
+        self.run_id = run_id if isinstance(run_id, str) else run.run_id
         self._started = True
+        assert self._start_tried is not None
         self._start_tried.set()
+        logger.info(
+            "%s: tracking run %s (%s) in %s",
+            self.name,
+            self.run_id or "?",
+            "continued" if run.run_id else "new",
+            tracker_location(self.tracker, run.project),
+        )
+        return True
+
+    async def _switch_run(self) -> bool:
+        """Handle :meth:`continue_run`: leave the run opened at start, open the asked one."""
+        run_id, self._reopen = self._reopen, None
+        assert run_id is not None
+        if self._started and run_id != self.run_id:
+            discard = getattr(self.tracker, "discard", None)
+            try:
+                if callable(discard):
+                    await self._in_thread(discard)
+                else:
+                    await self._in_thread(self.tracker.finish, "cancelled")
+            except Exception:
+                logger.warning(
+                    "%s: leaving run %s for %s failed",
+                    self.name,
+                    self.run_id,
+                    run_id,
+                    exc_info=True,
+                )
+            self._started = False
+        run = msgspec.structs.replace(self.run_spec, run_id=run_id)
+        ok = self._started or await self._open(run)
+        if self._reopened is not None:
+            self._reopened.set()
+        self._notify()
+        return ok
+
+    async def _serve(self) -> None:
+        if self._start_tried is None:
+            self._start_tried = anyio.Event()
+        if not await self._open(self.run_spec):
+            return
         while True:
-            while not self._pending and not self._closing:
+            while not self._pending and not self._closing and self._reopen is None:
                 await self._wait()
+            if self._reopen is not None:
+                if not await self._switch_run():
+                    return
+                continue
             if not self._pending:
                 break
             if not self._urgent() and self.flush_interval > 0:
                 with anyio.move_on_after(self.flush_interval):
                     while not self._urgent():
                         await self._wait()
+            if self._reopen is not None:
+                continue
             self._flush_requested = False
             batch = [record for record, _ in self._pending]
             self._inflight, self._inflight_bytes = batch, self._pending_bytes
@@ -260,6 +351,11 @@ class TrackerService:
                 await self._in_thread(call, batch)
             except Exception as exc:
                 self._counts["errors"] += 1
+                # A tracker that kept a whole prefix of the batch says how many records.
+                kept = getattr(exc, "delivered", 0)
+                kept = kept if type(kept) is int and 0 < kept <= len(batch) else 0
+                self._counts["logged"] += kept
+                batch = batch[kept:]
                 if self.on_error == "log":
                     await self._spill(batch)
                     self._clear_inflight()
@@ -267,10 +363,10 @@ class TrackerService:
                         logger,
                         self._counts["errors"],
                         exc,
-                        "%s: tracker.log failed; %d records spilled to %s",
+                        "%s: tracker.log failed; %d records kept in %s",
                         self.name,
                         len(batch),
-                        self.spill_path,
+                        self._spill_text(),
                     )
                     continue
                 await self._give_up(exc, "log", batch)
@@ -294,6 +390,7 @@ class TrackerService:
         return (
             self._closing
             or self._flush_requested
+            or self._reopen is not None
             or self._pending_bytes >= self.max_buffer_bytes // 2
         )
 
@@ -303,8 +400,9 @@ class TrackerService:
         target = self._counts["records"]
         self._flush_requested = True
         self._notify()
-        while self._counts["logged"] + self._counts["spilled"] < target and not (
-            self._failure or self._disabled or (self._done is not None and self._done.is_set())
+        while (
+            self._counts["logged"] + self._counts["spilled"] + self._counts["lost"] < target
+            and not self._stopped()
         ):
             await self._wait()
 
@@ -331,7 +429,7 @@ class TrackerService:
                 "later records are dropped",
                 self.name,
                 call,
-                self.spill_path,
+                self._spill_text(),
                 exc_info=exc,
             )
         self._notify()
@@ -348,34 +446,90 @@ class TrackerService:
             fn, *args, abandon_on_cancel=True, limiter=self._limiter
         )
 
-    async def _spill(self, records: list[StepRecord], suffix: str = "") -> None:
+    def _spill_text(self) -> str:
+        if not self.spill_files:
+            return "no spill file"
+        return ", ".join(str(path) for path in self.spill_files)
+
+    def _spill_places(self) -> list[Path]:
+        """Where a spill may go: ``spill_dir``, then the system temp folder's spill dir."""
+        places = [self.spill_dir]
+        fallback = default_spill_dir()
+        if fallback.resolve() != self.spill_dir.resolve():
+            places.append(fallback)
+        return places
+
+    def _run_meta(self) -> bytes:
+        """The sidecar a replay reads to find the run (never a credential)."""
+        return msgspec.json.encode(
+            {
+                "tracker": type(self.tracker).__name__,
+                "project": self.run_spec.project,
+                "name": self.run_spec.name,
+                "run_id": self.run_id,
+                **tracker_target(self.tracker),
+            }
+        )
+
+    async def _spill(self, records: list[StepRecord], suffix: str = "") -> Path | None:
+        """Append ``records`` to the spill file (``suffix``: ``.inflight`` for records whose
+        delivery is unknown), in ``spill_dir`` or else the system temp folder; a place that
+        fails is left as it was (no partial or empty file).  Records no place took are
+        counted ``lost`` and logged at once with their steps and the reasons."""
         if not records:
-            return
-        if self.spill_path is None:
-            self.spill_path = self.spill_dir / (
-                f"{self.name.replace('/', '_')}-{os.getpid()}-{secrets.token_hex(4)}.jsonl"
-            )
-        path = self.spill_path.with_suffix(f"{suffix}.jsonl") if suffix else self.spill_path
+            return None
+        if not self._spill_name:
+            self._spill_name = f"{self.name.replace('/', '_')}-{os.getpid()}-{secrets.token_hex(4)}"
         buf = bytearray()
         for record in records:
             self._encoder.encode_into(record, buf, -1)
             buf += b"\n"
+        data, meta = bytes(buf), self._run_meta()
+        name = f"{self._spill_name}{suffix}.jsonl"
 
-        def write() -> None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "ab") as fh:
-                fh.write(buf)
-                fh.flush()
-                os.fsync(fh.fileno())
+        def write() -> tuple[Path | None, list[str]]:
+            reasons = []
+            for place in self._spill_places():
+                path = place / name
+                try:
+                    place.mkdir(parents=True, exist_ok=True)
+                    _write_spill(path, data, place / f"{self._spill_name}.run.json", meta)
+                except OSError as exc:
+                    reasons.append(f"{exc.strerror or exc!r} on {path}")
+                    continue
+                return path, reasons
+            return None, reasons
 
         # Our own limiter is held by an abandoned tracker call after a timeout; use the default.
-        await anyio.to_thread.run_sync(write)
+        path, reasons = await anyio.to_thread.run_sync(write)
+        if path is None:
+            self._counts["lost"] += len(records)
+            steps = sorted({record.step for record in records})
+            logger.error(
+                "%s: %d tracker records of steps %d-%d are LOST: no spill file could be "
+                "written (%s)",
+                self.name,
+                len(records),
+                steps[0],
+                steps[-1],
+                "; ".join(reasons),
+            )
+            return None
+        if reasons:
+            logger.warning("%s: spilling elsewhere: %s", self.name, "; ".join(reasons))
+        if path not in self.spill_files:
+            self.spill_files.append(path)
+        if not suffix:
+            self.spill_path = path
         self._counts["spilled"] += len(records)
         logger.warning("%s: %d tracker records written to %s", self.name, len(records), path)
+        return path
 
     async def aclose(self, deadline: float) -> None:
         """Deliver what is buffered, finish the run, and return by ``deadline``.
 
+        At the deadline a tracker call still running is cut (``tracker.abort()`` where the
+        tracker has one: a child process is killed), so nothing outlives the close.
         Cancelled (a second stop signal), it still spills what it holds before the
         cancellation propagates."""
         self._closing = True
@@ -387,8 +541,15 @@ class TrackerService:
             with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
                 await self._done.wait()
         finally:
-            if not self._done.is_set() and self._scope is not None:
-                self._scope.cancel()  # stop run() whatever happened to aclose
+            if not self._done.is_set():
+                abort = getattr(self.tracker, "abort", None)
+                if callable(abort):
+                    try:
+                        abort()
+                    except Exception:
+                        logger.warning("%s: tracker.abort failed", self.name, exc_info=True)
+                if self._scope is not None:
+                    self._scope.cancel()  # stop run() whatever happened to aclose
             with anyio.CancelScope(shield=True):
                 error = await self._keep_leftovers()
         if error is not None:
@@ -405,7 +566,7 @@ class TrackerService:
         self._pending.clear()
         self._pending_bytes = 0
         self._inflight, self._inflight_bytes = [], 0
-        await self._spill(pending)
+        unsent = await self._spill(pending)
         call = self._call
         if inflight and call is not None:
             # The abandoned tracker call may be writing right now: let it end (briefly) so
@@ -414,20 +575,22 @@ class TrackerService:
             if call.done.is_set() and call.ok:
                 self._counts["logged"] += len(inflight)
                 inflight = []
-        # Records in a tracker call still running may yet land: keep them apart so a replay
-        # can be checked against the store instead of duplicating them blindly.
-        await self._spill(inflight, suffix=".inflight")
+        # Records in a tracker call cut short may have landed: keep them apart so a replay
+        # checks them against the store instead of duplicating them blindly.
+        in_doubt = await self._spill(inflight, suffix=".inflight")
         reason = "did not finish by the close deadline" if timed_out else "stopped early"
         error = TimeoutError if timed_out else TrackerError
-        return error(
-            f"{self.name}: the tracker {reason}; {len(pending)} unsent records spilled to "
-            f"{self.spill_path}"
-            + (
-                f", {len(inflight)} in-flight records (delivery unknown) beside it"
-                if inflight
-                else ""
+        text = f"{self.name}: the tracker {reason}"
+        if unsent is not None:
+            text += f"; {len(pending)} unsent records spilled to {unsent}"
+        if in_doubt is not None:
+            text += (
+                f"; {len(inflight)} in-flight records (delivery unknown) in {in_doubt}: "
+                f"settle them with python -m recis_async.trackers.replay {in_doubt}"
             )
-        )
+        if self._counts["lost"]:
+            text += f"; {self._counts['lost']} records LOST (no spill file could be written)"
+        return error(text)
 
     def stats(self) -> Mapping[str, Any]:
         return {
@@ -436,3 +599,25 @@ class TrackerService:
             "queued_records": len(self._pending) + len(self._inflight),
             "spill_path": str(self.spill_path) if self.spill_path else None,
         }
+
+
+def _write_spill(path: Path, data: bytes, meta_path: Path, meta: bytes) -> None:
+    """Append ``data`` to ``path`` durably (whole or not at all; a file this call created is
+    removed again on failure), and write the run's sidecar beside it once."""
+    created = not path.exists()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        write_whole(fd, data)
+        os.fsync(fd)
+    except OSError:
+        os.close(fd)
+        if created:
+            path.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    if not meta_path.exists():
+        try:
+            meta_path.write_bytes(meta)
+        except OSError:
+            meta_path.unlink(missing_ok=True)
+            logger.warning("tracker spill: could not write %s (replay needs --run-id)", meta_path)

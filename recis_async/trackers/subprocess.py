@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import pickle
 import pickletools
@@ -40,6 +41,8 @@ from ..events import EndStatus
 from .base import RunSpec, StepRecord, Tracker
 
 __all__ = ["SubprocessTracker"]
+
+logger = logging.getLogger(__name__)
 
 _ARRAY_EXT = 1
 
@@ -137,6 +140,12 @@ def _serve(conn: Connection, factory_pickle: bytes) -> bool:
                     tracker.start(call.run)
                 elif call.op == "log":
                     tracker.log(call.records or [])
+                elif call.op == "discard":
+                    discard = getattr(tracker, "discard", None)
+                    if callable(discard):
+                        discard()
+                    else:
+                        tracker.finish("cancelled")
                 else:
                     tracker.finish(call.status)
             except Exception as exc:
@@ -146,7 +155,7 @@ def _serve(conn: Connection, factory_pickle: bytes) -> bool:
                 run_id = getattr(tracker, "run_id", None)
                 reply = _Reply(True, run_id=run_id if isinstance(run_id, str) else None)
                 conn.send_bytes(encoder.encode(reply))
-            if call.op == "finish":
+            if call.op in ("finish", "discard"):
                 return True
     finally:
         conn.close()
@@ -155,10 +164,16 @@ def _serve(conn: Connection, factory_pickle: bytes) -> bool:
 class SubprocessTracker:
     """A :class:`~recis_async.trackers.Tracker` that runs ``factory()`` in a child process.
 
+    A child that died (killed, out of memory) is started again, at most ``max_restarts``
+    times, by the next ``log`` or ``finish``, continuing the same run; the call that saw it
+    die fails (its records are kept by the service).  :meth:`abort` kills the child from any
+    thread (the service does at its close deadline), so no call outlives the close.
+
     Args:
         factory: builds the tracker in the child; a picklable callable defined in an importable
             module (not ``__main__``).
         call_timeout: seconds one call may take before the child is killed.
+        max_restarts: how often a dead child is started again.
 
     Raises:
         TypeError: a ``factory`` that is not callable.
@@ -166,7 +181,13 @@ class SubprocessTracker:
             that is not positive.
     """
 
-    def __init__(self, factory: Callable[[], Tracker], *, call_timeout: float = 300.0) -> None:
+    def __init__(
+        self,
+        factory: Callable[[], Tracker],
+        *,
+        call_timeout: float = 300.0,
+        max_restarts: int = 3,
+    ) -> None:
         if not callable(factory):
             raise TypeError(f"SubprocessTracker.factory: expected a callable, got {factory!r}")
         try:
@@ -185,7 +206,16 @@ class SubprocessTracker:
             raise ValueError(
                 f"SubprocessTracker.call_timeout: expected seconds > 0, got {call_timeout!r}"
             )
+        if type(max_restarts) is not int or max_restarts < 0:
+            raise ValueError(
+                f"SubprocessTracker.max_restarts: expected an int >= 0, got {max_restarts!r}"
+            )
         self.call_timeout = float(call_timeout)
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self.requested_id: str | None = None  # the run id start was asked to continue
+        self._run: RunSpec | None = None  # the run started, for a restart
+        self._aborted = False
         target = factory.func if isinstance(factory, functools.partial) else factory
         self._describe = getattr(target, "__qualname__", None) or type(target).__name__
         self.run_id: str | None = None  # the child tracker's run_id once started, if any
@@ -202,6 +232,11 @@ class SubprocessTracker:
         return None if self._proc is None else int(self._proc.pid)
 
     def start(self, run: RunSpec) -> None:
+        self.requested_id, self._aborted = run.run_id, False
+        self._spawn(run)
+        self._run = run
+
+    def _spawn(self, run: RunSpec) -> None:
         ours, theirs = socket.socketpair()
         with ours, theirs:
             proc = subprocess.Popen(
@@ -217,16 +252,54 @@ class SubprocessTracker:
             self._stop()  # nothing calls finish on a run that never started: end the child
             raise
 
+    def _revive(self, op: str) -> None:
+        """Start a dead child again on the same run, if restarts are left."""
+        if self._conn is not None or self._run is None or self._aborted:
+            return
+        if self.restarts >= self.max_restarts:
+            raise RuntimeError(
+                f"{self!r}: {op}: the tracker process died {self.restarts + 1} times; "
+                f"not started again (max_restarts={self.max_restarts})"
+            )
+        self.restarts += 1
+        logger.warning(
+            "%r: the tracker process is gone; starting it again (%d of %d) on run %s",
+            self,
+            self.restarts,
+            self.max_restarts,
+            self.run_id,
+        )
+        self._spawn(msgspec.structs.replace(self._run, run_id=self.run_id or self._run.run_id))
+
     def log(self, records: Sequence[StepRecord]) -> None:
+        self._revive("log")
         self._call(_Call("log", records=list(records)))
 
+    def discard(self) -> None:
+        if self._conn is None:
+            return
+        try:
+            self._call(_Call("discard"))
+        finally:
+            self._stop()
+            self._run, self.run_id = None, None
+
     def finish(self, status: EndStatus) -> None:
+        self._revive("finish")
         if self._conn is None:
             return
         try:
             self._call(_Call("finish", status=status))
         finally:
             self._stop()
+            self._run = None
+
+    def abort(self) -> None:
+        """Kill the child now, from any thread: a call waiting on it fails at once."""
+        self._aborted = True
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
 
     def _call(self, call: _Call) -> None:
         conn = self._conn

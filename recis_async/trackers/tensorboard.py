@@ -70,7 +70,10 @@ class TensorBoardTracker:
         self.log_dir = path
         self.subdir = subdir
         self.run_dir: Path | None = None
+        self.run_id: str | None = None
         self._writer: Any = None
+        self._continued = False  # the folder held events: the first log purges later steps
+        self._logged = False
         self._session = False
         self._warned_empty: set[str] = set()
 
@@ -79,8 +82,11 @@ class TensorBoardTracker:
 
     def start(self, run: RunSpec) -> None:
         run_dir = self.log_dir
+        run_id = _UNSAFE.sub("_", run.run_id or run.name).strip("._") or "run"
         if self.subdir:
-            run_dir = run_dir / (_UNSAFE.sub("_", run.run_id or run.name).strip("._") or "run")
+            run_dir = run_dir / run_id
+        self._continued = run_dir.is_dir() and any(run_dir.glob("events.out.tfevents.*"))
+        self._logged = False
         writer = self._writer_cls(log_dir=str(run_dir), flush_secs=30)
         if run.params:
             from tensorboard.plugins.hparams import metadata, plugin_data_pb2
@@ -108,12 +114,15 @@ class TensorBoardTracker:
             writer.add_text("params", table, global_step=0)
             self._session = True
         writer.flush()
-        self._writer, self.run_dir = writer, run_dir
+        self._writer, self.run_dir, self.run_id = writer, run_dir, run_id
 
     def log(self, records: Sequence[StepRecord]) -> None:
         writer = self._writer
         if writer is None:
             raise RuntimeError("TensorBoardTracker.log: the run is not started")
+        if records and not self._logged and self._continued:
+            self._purge_from(min(record.step for record in records))
+        self._logged = True
         for record in records:
             for key, value in record.values.items():
                 if isinstance(value, np.ndarray):
@@ -133,6 +142,33 @@ class TensorBoardTracker:
                         key, float(value), global_step=record.step, walltime=record.time
                     )
         writer.flush()
+
+    def _purge_from(self, step: int) -> None:
+        """A run that continues in a folder with events: TensorBoard's readers drop the
+        earlier attempt's events of steps ``>= step`` (``SummaryWriter(purge_step=...)``'s
+        restart marker), so each step shows once, as this attempt logs it."""
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+        logger.info(
+            "TensorBoardTracker: run %s continues at step %d; earlier events of steps >= %d "
+            "are superseded",
+            self.run_dir,
+            step,
+            step,
+        )
+        self._writer._get_file_writer().add_event(
+            Event(step=step, wall_time=time.time(), session_log=SessionLog(status=SessionLog.START))
+        )
+
+    def discard(self) -> None:
+        """Close the run just started; its event file is removed if nothing was logged."""
+        writer, self._writer = self._writer, None
+        if writer is None:
+            return
+        path = writer._get_file_writer().event_writer._file_name
+        writer.close()
+        if not self._logged:
+            Path(path).unlink(missing_ok=True)
 
     def finish(self, status: EndStatus) -> None:
         writer, self._writer = self._writer, None

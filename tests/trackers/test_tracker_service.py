@@ -212,7 +212,10 @@ async def test_close_deadline_spills_unsent_and_inflight(tmp_path: Path) -> None
             for step in range(1, 30):
                 await service.put(_record(step))
             started = anyio.current_time()
-            with pytest.raises(TimeoutError, match=r"29 unsent records spilled .*1 in-flight"):
+            with pytest.raises(
+                TimeoutError,
+                match=r"29 unsent records spilled .*1 in-flight records \(delivery unknown\)",
+            ):
                 await service.aclose(anyio.current_time() + 0.2)
             assert anyio.current_time() - started < 2
     finally:
@@ -266,3 +269,22 @@ async def test_flush_sends_now(tmp_path: Path) -> None:
         assert service.stats()["batches"] == 1
         service.set_status("ok")
         await service.aclose(anyio.current_time() + 10)
+
+
+async def test_a_hurried_close_names_only_the_spill_files_it_wrote(tmp_path: Path) -> None:
+    gate = threading.Event()
+    tracker = FaultyTracker(tmp_path, gate=gate)
+    service = _service(tracker, tmp_path)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(service.run)
+            await service.put(_record(0))
+            await anyio.to_thread.run_sync(tracker.entered.wait, 10)
+            with pytest.raises(TimeoutError, match=r"1 in-flight records") as info:
+                await service.aclose(anyio.current_time() + 0.2)
+    finally:
+        gate.set()
+    assert [p.name.endswith(".inflight.jsonl") for p in service.spill_files] == [True]
+    assert all(path.exists() for path in service.spill_files)
+    assert str(service.spill_files[0]) in str(info.value) and "unsent" not in str(info.value)
+    assert service.spill_path is None  # no file of unsent records was written
