@@ -188,7 +188,7 @@ class TraceHook(Hook):
 
     async def after_step(self, event: AfterStep) -> None:
         writer = self._writer
-        writer.raise_if_lost()
+        writer.raise_if_lost()  # before this step's rows are taken: they are not part of it
         if not event.trace or event.is_train is self._skip:
             return
         if self._ended:
@@ -213,8 +213,7 @@ class TraceHook(Hook):
         if buffer.nbytes >= self._threshold or (
             self._max_age is not None and buffer.age() >= self._max_age
         ):
-            await writer.send(buffer.seal())
-            writer.raise_if_lost()
+            await writer.send(buffer.seal())  # a loss seen here is raised by the next step
 
     def __repr__(self) -> str:
         return (

@@ -130,7 +130,9 @@ def describe_spills(records: Sequence[_Spilled]) -> str:
     for folder, items in groups.items():
         rows = sum(r.rows for r in items)
         what = str(items[0].path) if len(items) == 1 else f"{len(items)} files in {folder}"
-        parts.append(f"{what} ({rows} rows{_steps_text(_merge(items))})")
+        failed = dict.fromkeys(e for r in items for e in r.errors)  # the places tried first
+        instead = f"; not in: {'; '.join(failed)}" if failed else ""
+        parts.append(f"{what} ({rows} rows{_steps_text(_merge(items))}{instead})")
     return "; ".join(parts)
 
 
