@@ -202,13 +202,13 @@ class TraceHook(Hook):
         if buffer.nbytes - before > self._threshold and not self._warned_step:
             self._warned_step = True
             logger.warning(
-                "%s: step %d traced %.1f MiB, more than size_threshold=%.1f MiB: it is written "
-                "as one batch of that size, so memory is bounded by (worker_num + 2) x the "
-                "largest step, not by size_threshold (warned once)",
+                "%s: step %d traced %s, more than size_threshold=%s: it is written as one "
+                "batch of that size, so memory is bounded by (worker_num + 2) x the largest "
+                "step, not by size_threshold (warned once)",
                 type(self).__name__,
                 event.global_step,
-                (buffer.nbytes - before) / 2**20,
-                self._threshold / 2**20,
+                _size(buffer.nbytes - before),
+                _size(self._threshold),
             )
         if buffer.nbytes >= self._threshold or (
             self._max_age is not None and buffer.age() >= self._max_age
@@ -221,6 +221,13 @@ class TraceHook(Hook):
             f"worker_num={self._writer.worker_num} size_threshold={self._threshold} "
             f"steps={self.steps}>"
         )
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
 
 
 class TraceToOdpsHook(TraceHook):

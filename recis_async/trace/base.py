@@ -66,10 +66,11 @@ class Attempt:
 
     @property
     def settled_present(self) -> bool:
-        """Whether a ``write`` that returned found the step in doubt already applied: it was
-        given a token and neither resolved it nor committed anything (the rows were there)."""
+        """Asked once ``write`` returned: whether it found the step in doubt already applied
+        (it was given a token and neither resolved it nor committed anything: the rows were
+        there, nothing was sent)."""
         with self._lock:
-            return self._in_doubt is not None and not self._moved and self._delivered
+            return self._in_doubt is not None and not self._moved
 
     @property
     def delivered(self) -> bool:
