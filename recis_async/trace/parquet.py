@@ -40,7 +40,15 @@ _ROW_GROUP_BYTES = 8 << 20
 _CODECS = ("snappy", "zstd", "lz4", "gzip", "brotli", "none")
 
 _PERMANENT_ERRNOS = frozenset(
-    {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG}
+    {
+        errno.EACCES,
+        errno.EPERM,
+        errno.EROFS,
+        errno.ENOTDIR,
+        errno.EISDIR,
+        errno.ENAMETOOLONG,
+        errno.EEXIST,  # a file where the table folder should be (mkdir)
+    }
 )
 
 

@@ -216,6 +216,27 @@ async def test_full_disk_everywhere_reports_lost_rows_at_the_next_publish_and_at
     assert at_close.lost_rows >= at_step.lost_rows > 0
 
 
+@pytest.mark.anyio
+async def test_read_only_remount_mid_run_spills_to_the_second_place(
+    small_disk: Path, tmp_path: Path, temp_dir: Path
+) -> None:
+    root, spill, other = small_disk / "root", small_disk / "spill", tmp_path / "other"
+    trace = hook(root, [spill, other])
+    with pytest.raises(HookError) as info:
+        with anyio.fail_after(120):
+            async with HookBus() as bus:
+                bus.add_hook(trace)
+                published = await publish_steps(bus, range(2))
+                await wait_delivered(trace, 2)
+                subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+                published += await publish_steps(bus, range(2, 4))
+    assert f"Read-only file system on {spill}" in str(info.value)
+    delivered, files = table_ids(root), spill_files(other)
+    spilled = spilled_ids(files)
+    assert sorted(delivered + spilled) == list(range(published)) == list(range(4 * ROWS))
+    assert sorted(delivered + replay(files, tmp_path / "replayed")) == list(range(published))
+
+
 # ------------------------------------------------- the same call failing without a mount
 
 
