@@ -383,6 +383,7 @@ def test_file_size_limit_in_a_subprocess_reports_every_lost_row(
     """``RLIMIT_FSIZE`` 0: every file write fails (``File too large``) as on a full disk,
     for the table, the spill folder and the temp dir alike -- with no mount, no root."""
     root, spill = tmp_path / "root", tmp_path / "spill"
+    (tmp_path / "tmp").mkdir()  # the job's temp dir (TMPDIR must exist to be used)
     done = subprocess.run(
         [sys.executable, "-c", FSIZE_JOB, str(root), str(spill), backend],
         capture_output=True,
@@ -399,4 +400,5 @@ def test_file_size_limit_in_a_subprocess_reports_every_lost_row(
     assert sorted(delivered) == list(range(4 * ROWS))
     assert len(delivered) + result["lost_rows"] == result["published"]
     assert spill_files(spill, tmp_path / "tmp" / "recis_async-spill") == []  # no 0-byte files
+    assert f"File too large on {tmp_path / 'tmp' / 'recis_async-spill'}" in result["at_step"]
     assert not any(p.name.endswith(".tmp") for p in tmp_path.rglob("*"))
