@@ -177,12 +177,22 @@ def _metric_value(name: str, value: Any, reduce: Reduction) -> Any:
 
 def add_to_trace(name: str, value: Any) -> None:
     """Record a trace column for the current step (``AfterStep.trace``): a tensor, numpy array
-    or list, one entry per row.  The value is copied, so later in-place updates do not leak."""
+    or list, one entry per row.  The value is copied, so later in-place updates do not leak.
+
+    A column is recorded once per step: a second call with the same name before the step's
+    ``AfterStep`` is refused (it would silently replace the first).  A masked numpy array is
+    refused if any entry is masked (trace rows have no missing values)."""
     collector = _current.get()
     if collector is None or not collector.open:
         collector = current_collector("add_to_trace")  # raises, naming the call
     if type(name) is not str or not name:
         _check_name("add_to_trace", name)
+    if name in collector.trace:
+        raise ValueError(
+            f"add_to_trace({name!r}): expected one value per column per step, got a second "
+            f"one before AfterStep (the first would be silently replaced): concatenate the "
+            f"values and call add_to_trace once"
+        )
     # one copy into memory the trace owns; the hot path is kept short on purpose (it runs
     # every step, right after the model's compute, when Python's code is out of cache)
     if type(value) is torch.Tensor:
@@ -192,6 +202,8 @@ def add_to_trace(name: str, value: Any) -> None:
             array = _tensor_copy("add_to_trace", name, value)
     elif isinstance(value, torch.Tensor):
         array = _tensor_copy("add_to_trace", name, value)
+    elif isinstance(value, np.ma.MaskedArray):
+        array = _unmasked(name, value)
     elif isinstance(value, np.ndarray):
         array = value.copy()
     elif isinstance(value, list):
@@ -207,6 +219,18 @@ def add_to_trace(name: str, value: Any) -> None:
         )
     array.flags.writeable = False  # ours alone: hooks may keep it without another copy
     collector.trace[name] = array
+
+
+def _unmasked(name: str, value: np.ma.MaskedArray) -> np.ndarray:
+    """A masked array's data, if nothing is masked; else refused (its mask would be dropped)."""
+    masked = int(np.ma.count_masked(value))
+    if masked:
+        raise ValueError(
+            f"add_to_trace({name!r}): expected values without missing entries, got a masked "
+            f"array with {masked} of {value.size} entries masked (trace columns hold no "
+            "missing values): fill them first, e.g. value.filled(0)"
+        )
+    return np.array(value.data)  # a plain ndarray copy
 
 
 def _list_array(value: list[Any] | tuple[Any, ...]) -> np.ndarray:

@@ -11,21 +11,28 @@ waits only while ``worker_num + 1`` sealed batches are pending.  Leaving the bus
 rest and drains everything within the bus's ``flush_timeout``; what cannot be delivered is
 spilled to a replayable file and reported as an error.  The sink is opened when the bus starts
 and ``Start`` waits for that open, so its cost lands before the first step.
+
+Bounds: rows wait in memory at most ``max_age`` seconds (30 by default) or ``size_threshold``
+bytes before they are sealed and handed over, so a ``kill -9`` loses at most that much plus the
+``worker_num + 1`` batches pending; a ``publish`` waits for room at most ``send_timeout``
+seconds (then the batch is spilled); rows that can be neither written nor spilled are reported
+on the next step that reaches the hook, and at close.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from .._checks import one_of, positive_int
-from ..events import AfterStep, Start
+from ..events import AfterStep, End, Start
 from ..hook import Hook
 from ..trace.base import Sink
 from ..trace.buffer import ColumnBuffer
 from ..trace.odps import OdpsSink
-from ..trace.service import TraceWriter
+from ..trace.service import DEFAULT_SEND_TIMEOUT, TraceWriter
 
 if TYPE_CHECKING:
     from ..bus import HookBus
@@ -33,6 +40,11 @@ if TYPE_CHECKING:
 __all__ = ["TraceHook", "TraceToOdpsHook"]
 
 DEFAULT_SIZE_THRESHOLD = 50 * 1024 * 1024  # bytes, as in RecIS
+#: seconds a buffered row waits before it is sealed and handed to a writer, whatever the size:
+#: what a ``kill -9`` can lose is bounded in time as well as in bytes
+DEFAULT_MAX_AGE = 30.0
+
+logger = logging.getLogger(__name__)
 _STEPS = ("all", "train", "eval")
 
 
@@ -48,12 +60,21 @@ class TraceHook(Hook):
         fields: the table's column names.
         types: their ODPS types (see :mod:`recis_async.trace.schema`).
         worker_num: concurrent writes.
-        size_threshold: bytes buffered before a batch is sealed and handed to a writer.
-        max_age: seconds after which a non-empty buffer is sealed anyway (``None``: only by
-            size, and at close).
+        size_threshold: bytes buffered before a batch is sealed and handed to a writer.  A
+            single step larger than this is written as one batch of its own size (a warning
+            says so once): memory is bounded by ``(worker_num + 2) × (size_threshold +
+            the largest step)``.
+        max_age: seconds after which a non-empty buffer is sealed anyway (default 30;
+            ``None``: only by size, and at close -- a ``kill -9`` then loses everything
+            buffered, however old).
         retries: how many times a transient failure is retried.
         retry_backoff: the first retry's delay in seconds, doubled each time.
-        spill_dir: where undeliverable batches are kept (default ``./trace_spill``).
+        spill_dir: where undeliverable batches are kept (default ``./trace_spill``), or
+            several places tried in order -- name one on another disk than a Parquet root; the
+            system temp dir is tried last.
+        send_timeout: the longest a ``publish`` waits for room while ``worker_num + 1``
+            batches are pending (default 60 s); then, or at once after a stop request, the
+            batch is spilled instead.
         steps: which steps are traced: ``"all"`` (as RecIS, whose ``evaluate()`` calls
             ``after_step`` too), ``"train"`` or ``"eval"`` (e.g. one hook per table).
 
@@ -71,11 +92,12 @@ class TraceHook(Hook):
         types: Sequence[str],
         worker_num: int = 1,
         size_threshold: int = DEFAULT_SIZE_THRESHOLD,
-        max_age: float | None = None,
+        max_age: float | None = DEFAULT_MAX_AGE,
         *,
         retries: int = 5,
         retry_backoff: float = 0.5,
-        spill_dir: str | os.PathLike[str] | None = None,
+        spill_dir: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
+        send_timeout: float = DEFAULT_SEND_TIMEOUT,
         steps: Literal["all", "train", "eval"] = "all",
     ) -> None:
         self.steps = one_of(type(self).__name__, "steps", steps, _STEPS)
@@ -102,11 +124,14 @@ class TraceHook(Hook):
             retries=retries,
             retry_backoff=retry_backoff,
             spill_dir=spill_dir,
+            send_timeout=send_timeout,
             source=self._buffer,
             max_age=max_age,
             owner=type(self).__name__,
         )
         self.sink = sink
+        self._ended = False  # End was published: later steps are refused, not traced
+        self._warned_step = False
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -126,6 +151,12 @@ class TraceHook(Hook):
         return f"{type(self).__name__}[{self.sink.name}]"
 
     def attach(self, bus: HookBus) -> None:
+        if self._writer.used:
+            raise RuntimeError(
+                f"{type(self).__name__}: this hook already ran on a bus that has closed (its "
+                "writer was drained and closed with it); create a new hook for each bus"
+            )
+        self._writer.watch_stop(lambda: bus.should_stop)
         bus.start_service(self._writer)
 
     async def start(self, event: Start) -> None:
@@ -140,7 +171,7 @@ class TraceHook(Hook):
         if stats["batches"]:
             where += f" ({stats['rows']} rows written)"
         if stats["spill_files"]:
-            spilled = f"{stats['spilled_rows']} rows in {', '.join(stats['spill_files'])}"
+            spilled = f"{stats['spilled_rows']} rows: {stats['spilled_to']}"
             replay = "undelivered traces (replay: python -m recis_async.spill replay FILE)"
             return {"traces": where, replay: spilled}
         if stats["batches"]:
@@ -150,15 +181,39 @@ class TraceHook(Hook):
             "trace spill files (only if delivery fails)": str(self._writer.spill_dir.absolute()),
         }
 
+    async def end(self, event: End) -> None:
+        """The run ended: steps published after this are refused (they would be traced into
+        a run that is over).  What is buffered is delivered at close."""
+        self._ended = True
+
     async def after_step(self, event: AfterStep) -> None:
+        writer = self._writer
+        writer.raise_if_lost()  # before this step's rows are taken: they are not part of it
         if not event.trace or event.is_train is self._skip:
             return
+        if self._ended:
+            raise RuntimeError(
+                f"{type(self).__name__}: AfterStep(global_step={event.global_step}) was "
+                "published after End; its trace is not written (publish End once, last)"
+            )
         buffer = self._buffer
-        buffer.append(event.trace)
+        before = buffer.nbytes
+        buffer.append(event.trace, event.global_step)
+        if buffer.nbytes - before > self._threshold and not self._warned_step:
+            self._warned_step = True
+            logger.warning(
+                "%s: step %d traced %s, more than size_threshold=%s: it is written as one "
+                "batch of that size, so memory is bounded by (worker_num + 2) x the largest "
+                "step, not by size_threshold (warned once)",
+                type(self).__name__,
+                event.global_step,
+                _size(buffer.nbytes - before),
+                _size(self._threshold),
+            )
         if buffer.nbytes >= self._threshold or (
             self._max_age is not None and buffer.age() >= self._max_age
         ):
-            await self._writer.send(buffer.seal())
+            await writer.send(buffer.seal())  # a loss seen here is raised by the next step
 
     def __repr__(self) -> str:
         return (
@@ -166,6 +221,13 @@ class TraceHook(Hook):
             f"worker_num={self._writer.worker_num} size_threshold={self._threshold} "
             f"steps={self.steps}>"
         )
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
 
 
 class TraceToOdpsHook(TraceHook):
@@ -196,7 +258,7 @@ class TraceToOdpsHook(TraceHook):
         types: Sequence[str],
         worker_num: int = 1,
         size_threshold: int = DEFAULT_SIZE_THRESHOLD,
-        max_age: float | None = None,
+        max_age: float | None = DEFAULT_MAX_AGE,
         **kwargs: Any,
     ) -> None:
         super().__init__(

@@ -42,11 +42,13 @@ class Attempt:
             settle first.
     """
 
-    __slots__ = ("_lock", "_token", "_abandoned", "_delivered", "done")
+    __slots__ = ("_lock", "_token", "_abandoned", "_delivered", "_in_doubt", "_moved", "done")
 
     def __init__(self, in_doubt: str | None = None) -> None:
         self._lock = threading.Lock()
         self._token = in_doubt
+        self._in_doubt = in_doubt
+        self._moved = False  # commit() or resolve() was called
         self._abandoned = False
         self._delivered = False
         self.done = threading.Event()
@@ -61,6 +63,14 @@ class Attempt:
     def abandoned(self) -> bool:
         with self._lock:
             return self._abandoned
+
+    @property
+    def settled_present(self) -> bool:
+        """Asked once ``write`` returned: whether it found the step in doubt already applied
+        (it was given a token and neither resolved it nor committed anything: the rows were
+        there, nothing was sent)."""
+        with self._lock:
+            return self._in_doubt is not None and not self._moved
 
     @property
     def delivered(self) -> bool:
@@ -78,12 +88,14 @@ class Attempt:
             if self._abandoned:
                 return False
             self._token = token
+            self._moved = True
             return True
 
     def resolve(self) -> None:
         """The step in doubt is known not to have happened (nothing of it is visible)."""
         with self._lock:
             self._token = None
+            self._moved = True
 
     def abandon(self) -> str | None:
         """Forbid further commits; return the token still in doubt, if any."""
@@ -131,7 +143,9 @@ class Sink(Protocol):
 
 
 _PARTITION_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-_PARTITION_VALUE_FORBIDDEN = frozenset("/\\,='\"\0\n\r")
+# '%': Hive readers (pyarrow, Spark) URL-decode folder names, so "%2F..%2F" would read back
+# as "/../" -- a value other than the one written, and a path to somewhere else
+_PARTITION_VALUE_FORBIDDEN = frozenset("/\\,='\"\0\n\r%")
 
 
 def parse_partition(spec: str | Mapping[str, object] | None) -> tuple[tuple[str, str], ...]:
@@ -140,6 +154,9 @@ def parse_partition(spec: str | Mapping[str, object] | None) -> tuple[tuple[str,
     if spec is None:
         return ()
     if isinstance(spec, Mapping):
+        for k, v in spec.items():
+            if v is None:  # str(None) would make a real folder named "None"
+                raise ValueError(f"partition: value of {k!r} must be a value, got None")
         items = [(str(k), str(v)) for k, v in spec.items()]
     elif isinstance(spec, str):
         items = []
@@ -162,7 +179,9 @@ def parse_partition(spec: str | Mapping[str, object] | None) -> tuple[tuple[str,
         seen.add(key.lower())
         if not value or value in (".", "..") or _PARTITION_VALUE_FORBIDDEN & set(value):
             raise ValueError(
-                f"partition: value of {key!r} must be non-empty without / \\ , = or quotes, "
+                f"partition: value of {key!r} must be non-empty without / \\ , = % or quotes, "
                 f"got {value!r}"
             )
+        if value == "None":  # f"dt={day}" with day None: a folder no reader asks for
+            raise ValueError(f"partition: value of {key!r} must be a value, got 'None'")
     return tuple(items)

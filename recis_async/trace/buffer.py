@@ -40,7 +40,8 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True):
 
     ``columns[i]`` holds the chunks of ``fields[i]`` in row order (see
     :data:`~recis_async.trace.schema.Chunk`); every field has ``rows`` rows in total.  ``nbytes``
-    is the exact size of all arrays held.
+    is the exact size of all arrays held.  ``steps`` is the first and last ``global_step`` whose
+    rows it holds, when the feeder said (for messages about where rows went).
     """
 
     seq: int
@@ -49,6 +50,7 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True):
     fields: tuple[str, ...]
     types: tuple[OdpsType, ...]
     columns: tuple[tuple[Chunk, ...], ...]
+    steps: tuple[int, int] | None = None
 
     @property
     def schema(self) -> pa.Schema:
@@ -65,7 +67,13 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def from_arrow(
-        cls, table: pa.Table, *, seq: int, fields: Sequence[str], types: Sequence[str]
+        cls,
+        table: pa.Table,
+        *,
+        seq: int,
+        fields: Sequence[str],
+        types: Sequence[str],
+        steps: tuple[int, int] | None = None,
     ) -> Batch:
         """Rebuild a batch from an Arrow table holding ``fields`` (used by spill replay)."""
         names, parsed = parse_schema(fields, types)
@@ -76,7 +84,13 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True):
         columns = tuple((from_arrow(table.column(f), t),) for f, t in pairs)
         nbytes = sum(c.nbytes for chunks in columns for c in chunks)
         return cls(
-            seq=seq, rows=table.num_rows, nbytes=nbytes, fields=names, types=parsed, columns=columns
+            seq=seq,
+            rows=table.num_rows,
+            nbytes=nbytes,
+            fields=names,
+            types=parsed,
+            columns=columns,
+            steps=steps,
         )
 
 
@@ -103,6 +117,7 @@ class ColumnBuffer:
         self._nbytes = 0
         self._steps = 0
         self._first_at: float | None = None
+        self._steps_seen: tuple[int, int] | None = None
         self._next_seq = 0
         # per field: (name, the numpy dtype it is stored as or None, the ndim of a raw chunk)
         self._plan = tuple(
@@ -198,8 +213,10 @@ class ColumnBuffer:
             arrays.append(freeze(value))
         return tuple(arrays), rows
 
-    def append(self, trace: Mapping[str, object]) -> int:
-        """Validate and keep a step's trace; all or nothing.  Returns the rows added."""
+    def append(self, trace: Mapping[str, object], step: int | None = None) -> int:
+        """Validate and keep a step's trace; all or nothing.  Returns the rows added.
+
+        ``step`` (the step's ``global_step``) is remembered as the sealed batch's ``steps``."""
         if not trace:
             return 0
         chunks, rows = self.validate(trace)
@@ -214,6 +231,9 @@ class ColumnBuffer:
         self._steps += 1
         if self._first_at is None:
             self._first_at = time.monotonic()
+        if step is not None:
+            seen = self._steps_seen
+            self._steps_seen = (step, step) if seen is None else (seen[0], step)
         return rows
 
     def seal(self) -> Batch | None:
@@ -227,8 +247,10 @@ class ColumnBuffer:
             fields=self.fields,
             types=self.types,
             columns=tuple(tuple(chunks) for chunks in self._chunks),
+            steps=self._steps_seen,
         )
         self._next_seq += 1
+        self._steps_seen = None
         self._chunks = [[] for _ in self.fields]
         self._rows = self._nbytes = self._steps = 0
         self._first_at = None

@@ -40,7 +40,15 @@ _ROW_GROUP_BYTES = 8 << 20
 _CODECS = ("snappy", "zstd", "lz4", "gzip", "brotli", "none")
 
 _PERMANENT_ERRNOS = frozenset(
-    {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG}
+    {
+        errno.EACCES,
+        errno.EPERM,
+        errno.EROFS,
+        errno.ENOTDIR,
+        errno.EISDIR,
+        errno.ENAMETOOLONG,
+        errno.EEXIST,  # a file where the table folder should be (mkdir)
+    }
 )
 
 
@@ -113,6 +121,12 @@ class ParquetSink:
         self._opened_rank: int | None = None
 
     @property
+    def root(self) -> Path:
+        """The dataset's root directory (the writer warns when its spill folder shares the
+        file system: a full disk then fails both)."""
+        return self._root
+
+    @property
     def directory(self) -> Path:
         """The folder the part files go to."""
         return self._root.joinpath(self._table, *(f"{k}={v}" for k, v in self._partition))
@@ -148,10 +162,12 @@ class ParquetSink:
         directory = self.directory
         try:
             directory.mkdir(parents=True, exist_ok=True)
+            names = os.listdir(directory)
             pattern = re.compile(rf"part-{rank}-(\d+)\.parquet\Z")
-            taken = [int(m.group(1)) for p in os.listdir(directory) if (m := pattern.match(p))]
+            taken = [int(m.group(1)) for p in names if (m := pattern.match(p))]
         except OSError as exc:
             raise self._error(exc, f"cannot prepare {directory}") from None
+        self._remove_leftovers(directory, names, rank)
         with self._lock:
             self._opened_rank = rank
             self._next_seq = max(taken, default=-1) + 1
@@ -202,6 +218,35 @@ class ParquetSink:
 
     def close(self) -> None:
         """Nothing to release: every write is complete when it returns."""
+
+    def _remove_leftovers(self, directory: Path, names: list[str], rank: int) -> None:
+        """Remove this rank's temporary files left by a run killed mid-write (``kill -9``):
+        never published, so no reader counts them, but they hold disk space.  Named in the
+        log; one that cannot be removed is named too."""
+        prefix, suffix = f".part-{rank}-", ".parquet.tmp"
+        removed, kept = [], []
+        for name in names:
+            if name.startswith(prefix) and name.endswith(suffix):
+                try:
+                    (directory / name).unlink()
+                    removed.append(name)
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    kept.append(f"{name} ({exc.strerror})")
+        if removed:
+            logger.warning(
+                "%s: removed %d temporary file(s) left by an interrupted run: %s",
+                self.name,
+                len(removed),
+                ", ".join(removed[:10]) + (" ..." if len(removed) > 10 else ""),
+            )
+        if kept:
+            logger.warning(
+                "%s: cannot remove temporary file(s) left by an interrupted run: %s",
+                self.name,
+                ", ".join(kept),
+            )
 
     def _publish(self, tmp: Path, rank: int, attempt: Attempt) -> Path:
         """Give ``tmp`` the next free final name without ever replacing a file.

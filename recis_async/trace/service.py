@@ -16,6 +16,13 @@ and raises :class:`TraceDeliveryError` with the counts and the spill files.
 An upload abandoned at the deadline or by cancellation never commits afterwards; one that
 was already committing is waited for (up to ``commit_wait`` seconds) so its outcome is known
 before the batch is retried or spilled.
+
+Nothing here waits forever or dies silently.  A ``send`` that finds no room waits at most
+``send_timeout`` seconds, and not past a stop request: then the batch is spilled instead.  A
+spill goes to the first of the spill directories that takes it, then to the system temp
+dir; if none does (a full or read-only disk), the batch's rows are *lost*, counted, and
+reported by :meth:`TraceWriter.raise_if_lost` (the hook calls it on the next step) and at
+close, naming the steps and each place's error.  The writer keeps running either way.
 """
 
 from __future__ import annotations
@@ -24,8 +31,10 @@ import logging
 import math
 import os
 import random
+import tempfile
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
 from typing import Any, Protocol
@@ -47,9 +56,110 @@ from .buffer import Batch
 from .schema import OdpsType
 from .spill import SpillEntry, write_spill
 
-__all__ = ["BatchSource", "TraceWriter"]
+__all__ = ["DEFAULT_SEND_TIMEOUT", "BatchSource", "TraceRowsLostError", "TraceWriter"]
 
 logger = logging.getLogger(__name__)
+
+#: seconds a publish waits for room (``worker_num + 1`` batches pending) before the batch is
+#: spilled instead: a sink stalled this long is not going to take it soon
+DEFAULT_SEND_TIMEOUT = 60.0
+#: how often a waiting ``send`` looks at the stop request
+_STOP_POLL_S = 0.1
+#: the folder under the system temp dir used when every spill directory refused a batch
+_TEMP_SPILL = "recis_async-spill"
+
+
+class TraceRowsLostError(TraceDeliveryError):
+    """Trace rows could be neither delivered nor spilled anywhere (a full or read-only disk
+    under every spill directory and the temp dir): ``lost_rows`` of ``lost_batches`` batches
+    are gone.  The message names their steps and each place's error."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        lost_batches: int,
+        lost_rows: int,
+        spilled_batches: int,
+        spilled_rows: int,
+        spill_files: tuple[Path, ...],
+    ) -> None:
+        super().__init__(
+            message,
+            spilled_batches=spilled_batches,
+            spilled_rows=spilled_rows,
+            spill_files=spill_files,
+        )
+        self.lost_batches = lost_batches
+        self.lost_rows = lost_rows
+
+
+@dataclass(frozen=True)
+class _Spilled:
+    """Where a group of batches went (``path``), or why nowhere (``path`` None, ``errors``)."""
+
+    path: Path | None
+    batches: int
+    rows: int
+    steps: tuple[int, int] | None
+    errors: tuple[str, ...]
+
+
+def _steps_of(batches: Iterable[Batch]) -> tuple[int, int] | None:
+    ranges = [b.steps for b in batches if b.steps is not None]
+    if not ranges:
+        return None
+    return min(r[0] for r in ranges), max(r[1] for r in ranges)
+
+
+def _steps_text(steps: tuple[int, int] | None) -> str:
+    if steps is None:
+        return ""
+    first, last = steps
+    return f" of step {first}" if first == last else f" of steps {first}-{last}"
+
+
+def describe_spills(records: Sequence[_Spilled]) -> str:
+    """Spill files grouped by folder: ``N files in DIR (R rows of steps A-B)`` (a lone file
+    by its path), so a long close names folders, not 96 paths."""
+    groups: dict[Path, list[_Spilled]] = {}
+    for r in records:
+        if r.path is not None:
+            groups.setdefault(r.path.parent, []).append(r)
+    parts = []
+    for folder, items in groups.items():
+        rows = sum(r.rows for r in items)
+        what = str(items[0].path) if len(items) == 1 else f"{len(items)} files in {folder}"
+        failed = dict.fromkeys(e for r in items for e in r.errors)  # the places tried first
+        instead = f"; not in: {'; '.join(failed)}" if failed else ""
+        parts.append(f"{what} ({rows} rows{_steps_text(_merge(items))}{instead})")
+    return "; ".join(parts)
+
+
+def _merge(records: Iterable[_Spilled]) -> tuple[int, int] | None:
+    ranges = [r.steps for r in records if r.steps is not None]
+    if not ranges:
+        return None
+    return min(r[0] for r in ranges), max(r[1] for r in ranges)
+
+
+def _same_file_system(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` (or their nearest existing parents) are on one file system."""
+
+    def device(path: Path) -> int | None:
+        path = path.absolute()
+        while True:
+            try:
+                return os.stat(path).st_dev
+            except FileNotFoundError:
+                if path.parent == path:
+                    return None
+                path = path.parent
+            except OSError:
+                return None
+
+    da, db = device(a), device(b)
+    return da is not None and da == db
 
 
 class BatchSource(Protocol):
@@ -90,7 +200,11 @@ class TraceWriter:
         max_backoff: the longest wait between retries.
         commit_wait: how long an abandoned upload that was already committing is waited for,
             so its outcome is known before the batch is retried or spilled.
-        spill_dir: where undeliverable batches go (default ``./trace_spill``).
+        spill_dir: where undeliverable batches go (default ``./trace_spill``), or several
+            places tried in order (put one on another disk: a full disk fails the sink and a
+            spill folder beside it alike); the system temp dir is tried last.
+        send_timeout: the longest a ``send`` waits for room, in seconds; then (or at once
+            when ``stop_requested()`` turns true) the batch is spilled instead.
         source: the upstream buffer; sealed at close (and by the ``max_age`` timer once its
             oldest row is that many seconds old) and reported in :meth:`stats`.
         max_age: seconds after which ``source`` is sealed even below its threshold.
@@ -111,7 +225,8 @@ class TraceWriter:
         retry_backoff: float = 0.5,
         max_backoff: float = 30.0,
         commit_wait: float = 3.0,
-        spill_dir: str | os.PathLike[str] | None = None,
+        spill_dir: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
+        send_timeout: float = DEFAULT_SEND_TIMEOUT,
         source: BatchSource | None = None,
         max_age: float | None = None,
         name: str | None = None,
@@ -122,6 +237,7 @@ class TraceWriter:
         non_negative_number(owner, "retry_backoff", retry_backoff)
         non_negative_number(owner, "max_backoff", max_backoff)
         non_negative_number(owner, "commit_wait", commit_wait)
+        positive_number(owner, "send_timeout", send_timeout)
         if max_age is not None:
             positive_number(owner, "max_age", max_age)
         self.sink = sink
@@ -131,10 +247,17 @@ class TraceWriter:
         self._backoff = float(retry_backoff)
         self._max_backoff = float(max_backoff)
         self._commit_wait = float(commit_wait)
-        # proven writable now: a spill that cannot be written is lost data, found too late
-        self._spill_dir = Path(
-            creatable_dir(owner, "spill_dir", "trace_spill" if spill_dir is None else spill_dir)
+        if spill_dir is None:
+            spill_dir = "trace_spill"
+        places: list[Any] = (
+            list(spill_dir) if isinstance(spill_dir, list | tuple) and spill_dir else [spill_dir]
         )
+        # proven writable now: a spill that cannot be written is lost data, found too late
+        self._spill_dirs = tuple(Path(creatable_dir(owner, "spill_dir", p)) for p in places)
+        self._spill_dir = self._spill_dirs[0]
+        self._send_timeout = float(send_timeout)
+        self._stop_requested: Callable[[], bool] = lambda: False
+        self._room = anyio.Event()  # set when a worker takes a batch (or the workers end)
         self._source = source
         self._max_age = None if max_age is None else float(max_age)
         self._tx: MemoryObjectSendStream[Batch]
@@ -152,7 +275,8 @@ class TraceWriter:
         self._open_tried = anyio.Event()  # the open at bus start ended, either way
         self._pending: dict[int, Batch] = {}  # id -> batch: handed over, not yet settled
         self._held: dict[int, SpillEntry] = {}  # id -> batch put aside, with its doubt
-        self._spill_files: list[Path] = []
+        self._spills: list[_Spilled] = []  # in order; lost ones have no path
+        self._lost_reported = 0  # how many lost records raise_if_lost reported already
         self._spill_kinds: dict[str, int] = {}
         self._last_error: str | None = None
         self._wait_s = 0.0
@@ -163,42 +287,140 @@ class TraceWriter:
             "retries": 0,
             "spilled": 0,
             "spilled_rows": 0,
+            "lost": 0,
+            "lost_rows": 0,
             "backpressure_waits": 0,
         }
+        root = getattr(sink, "root", None)  # a local sink (ParquetSink)
+        if isinstance(root, Path) and all(_same_file_system(d, root) for d in self._spill_dirs):
+            temp = Path(tempfile.gettempdir())
+            then = (
+                f"the system temp dir {temp} is tried next (on the same file system too)"
+                if _same_file_system(temp, root)
+                else f"the system temp dir {temp} is tried next"
+            )
+            logger.warning(
+                "%s: spill_dir %s is on the same file system as the Parquet root %s: a full "
+                "disk fails both; %s. Name a folder on another disk as well: "
+                "spill_dir=[%r, '/other/disk/trace_spill']",
+                self.name,
+                self._spill_dir,
+                root,
+                then,
+                str(self._spill_dir),
+            )
 
     # ------------------------------------------------------------------ intake
     async def send(self, batch: Batch | None) -> None:
         """Queue a sealed batch; waits only while ``worker_num + 1`` batches are pending.
 
-        If the wait is cancelled the batch is kept for close to deliver.
+        The wait ends after ``send_timeout`` seconds, or as soon as a stop was requested, or
+        when the workers are gone: the batch is then spilled (a warning names why).  If the
+        wait is cancelled the batch is kept for close to deliver.
         """
         if batch is None:
             return
         if self._closing:
             raise RuntimeError(f"{self.name}: send() after close started")
         self._pending[id(batch)] = batch
-        try:
-            self._tx.send_nowait(batch)
-        except anyio.WouldBlock:
-            pass
-        else:
+        if self._offer(batch):
             # let a worker start on it now: the bus itself yields only every ~100 ms
             await yield_to_services()
             return
         t = perf_counter()
+        self._stats["backpressure_waits"] += 1
         try:
-            await self._tx.send(batch)
+            why = await self._wait_for_room(batch)
         except BaseException:
             self._hold(batch, None, "its hand-over was interrupted")
             raise
         finally:
-            self._stats["backpressure_waits"] += 1
             self._wait_s += perf_counter() - t
+        if why is not None:
+            logger.warning(
+                "%s: batch %d (%d rows%s) spilled instead of queued: %s",
+                self.name,
+                batch.seq,
+                batch.rows,
+                _steps_text(batch.steps),
+                why,
+            )
+            await self._spill([SpillEntry(batch, None)], "no room", why)
+
+    def _offer(self, batch: Batch) -> bool:
+        """Queue ``batch`` if the stream has room now."""
+        try:
+            self._tx.send_nowait(batch)
+        except anyio.WouldBlock:
+            return False
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return False  # the workers are gone: _wait_for_room says so
+        return True
+
+    async def _wait_for_room(self, batch: Batch) -> str | None:
+        """Wait until ``batch`` is queued (None) or say why it will not be."""
+        give_up = anyio.current_time() + self._send_timeout
+        while True:
+            if self._finished.is_set():
+                return f"the writer's workers have stopped (last error: {self._last_error})"
+            if self._stop_requested():
+                return "a stop was requested while the sink had no room (it is stalled)"
+            left = give_up - anyio.current_time()
+            if left <= 0:
+                return (
+                    f"waited send_timeout={self._send_timeout:g}s for room: the sink took no "
+                    f"batch in that time ({len(self._pending) - 1} pending; last error: "
+                    f"{self._last_error})"
+                )
+            if self._room.is_set():
+                self._room = anyio.Event()
+            with anyio.move_on_after(min(left, _STOP_POLL_S)):
+                await self._room.wait()
+            if self._offer(batch):
+                return None
 
     @property
     def spill_dir(self) -> Path:
-        """Where batches that cannot be delivered are kept."""
+        """Where batches that cannot be delivered are kept (the first place tried)."""
         return self._spill_dir
+
+    def watch_stop(self, stop_requested: Callable[[], bool]) -> None:
+        """Make a ``send`` waiting for room give up once ``stop_requested()`` is true (the
+        hook passes its bus's ``should_stop``)."""
+        self._stop_requested = stop_requested
+
+    @property
+    def used(self) -> bool:
+        """Whether a bus ran this writer already (a writer serves one bus)."""
+        return self._running.is_set() or self._closing
+
+    def raise_if_lost(self) -> None:
+        """Raise :class:`TraceRowsLostError` if rows were lost since the last call: the step
+        that sees it learns at once, not at close."""
+        lost = [r for r in self._spills if r.path is None]
+        if len(lost) > self._lost_reported:
+            fresh = lost[self._lost_reported :]
+            self._lost_reported = len(lost)
+            raise self._lost_error(fresh, "")
+
+    def _lost_error(self, lost: Sequence[_Spilled], tail: str) -> TraceRowsLostError:
+        rows = sum(r.rows for r in lost)
+        batches = sum(r.batches for r in lost)
+        errors = dict.fromkeys(e for r in lost for e in r.errors)  # in order, once each
+        return TraceRowsLostError(
+            f"{self.name}: {rows} rows{_steps_text(_merge(lost))} ({batches} batch(es)) are "
+            f"LOST: not delivered (last error: {self._last_error}) and no spill place could "
+            f"be written: {'; '.join(errors)}. Free space or name a spill_dir on another "
+            f"disk.{tail}",
+            lost_batches=batches,
+            lost_rows=rows,
+            spilled_batches=self._stats["spilled"],
+            spilled_rows=self._stats["spilled_rows"],
+            spill_files=self._files(),
+        )
+
+    def _files(self) -> tuple[Path, ...]:
+        return tuple(r.path for r in self._spills if r.path is not None)
 
     def stats(self) -> Mapping[str, Any]:
         """Pending (queued + in flight) and buffered sizes, delivered and spilled counts,
@@ -213,7 +435,8 @@ class TraceWriter:
             **self._stats,
             "sink_open": self._opened,
             "backpressure_wait_s": self._wait_s,
-            "spill_files": [str(p) for p in self._spill_files],
+            "spill_files": [str(p) for p in self._files()],
+            "spilled_to": describe_spills(self._spills),
         }
 
     # ------------------------------------------------------------------ service
@@ -228,8 +451,11 @@ class TraceWriter:
                     outer.start_soon(self._age_timer, name=f"{self.name}:max_age")
                 await self._work(self._rx, self.worker_num)
                 outer.cancel_scope.cancel()
+        except BaseExceptionGroup as group:  # name the cause, not "unhandled errors in a
+            raise _unwrap(group) from None  # TaskGroup (1 sub-exception)"
         finally:
             self._finished.set()
+            self._room.set()  # a send waiting for room spills instead
 
     async def _work(self, rx: MemoryObjectReceiveStream[Batch], workers: int) -> None:
         async with anyio.create_task_group() as tg:
@@ -249,6 +475,7 @@ class TraceWriter:
     async def _worker(self, rx: MemoryObjectReceiveStream[Batch]) -> None:
         async with rx:
             async for batch in rx:
+                self._room.set()
                 held = self._held.pop(id(batch), None)
                 await self._deliver(batch, held.in_doubt if held else None)
 
@@ -397,33 +624,63 @@ class TraceWriter:
         self.sink.close()
 
     async def _spill(self, entries: list[SpillEntry], kind: str, reason: str) -> None:
-        """Write ``entries`` to a spill file; shielded, so cancellation cannot lose them."""
+        """Write ``entries`` to a spill file in the first place that takes it; shielded, so
+        cancellation cannot lose them.  Never raises: if no place takes them their rows are
+        counted as lost, logged at once and raised by :meth:`raise_if_lost` and at close."""
         if not entries:
             return
         with anyio.CancelScope(shield=True):
-            path = await anyio.to_thread.run_sync(
-                lambda: write_spill(
-                    self._spill_dir,
-                    entries,
-                    sink_name=self.sink.name,
-                    reason=reason,
-                    prefix=self.name,
-                )
-            )
+            path, errors = await anyio.to_thread.run_sync(self._write_spill, entries, reason)
+        batches = [e.batch for e in entries]
+        rows = sum(b.rows for b in batches)
+        record = _Spilled(path, len(entries), rows, _steps_of(batches), tuple(errors))
+        self._spills.append(record)
         for entry in entries:
             self._pending.pop(id(entry.batch), None)
             self._held.pop(id(entry.batch), None)
-            self._stats["spilled"] += 1
-            self._stats["spilled_rows"] += entry.batch.rows
+        steps = _steps_text(record.steps)
+        if path is None:
+            self._stats["lost"] += len(entries)
+            self._stats["lost_rows"] += rows
+            logger.error(
+                "%s: %d rows%s LOST: %s, and no spill place could be written: %s",
+                self.name,
+                rows,
+                steps,
+                reason,
+                "; ".join(errors),
+            )
+            return
+        self._stats["spilled"] += len(entries)
+        self._stats["spilled_rows"] += rows
         self._spill_kinds[kind] = self._spill_kinds.get(kind, 0) + len(entries)
-        self._spill_files.append(path)
+        instead = f" (instead of: {'; '.join(errors)})" if errors else ""
         logger.error(
-            "%s: spilled %d batch(es) (%d rows) to %s",
+            "%s: spilled %d batch(es) (%d rows%s) to %s%s",
             self.name,
             len(entries),
-            sum(e.batch.rows for e in entries),
+            rows,
+            steps,
             path,
+            instead,
         )
+
+    def _write_spill(self, entries: list[SpillEntry], reason: str) -> tuple[Path | None, list[str]]:
+        """Try each spill place in turn, the system temp dir last; blocking.  Returns the file
+        written (None if none) and each place's error."""
+        errors: list[str] = []
+        places = [*self._spill_dirs, Path(tempfile.gettempdir()) / _TEMP_SPILL]
+        for place in dict.fromkeys(places):
+            try:
+                return (
+                    write_spill(
+                        place, entries, sink_name=self.sink.name, reason=reason, prefix=self.name
+                    ),
+                    errors,
+                )
+            except OSError as exc:
+                errors.append(f"{exc.strerror or exc} on {place}")
+        return None, errors
 
     # ------------------------------------------------------------------ close
     async def aclose(self, deadline: float) -> None:
@@ -459,14 +716,23 @@ class TraceWriter:
                             await anyio.to_thread.run_sync(self.sink.close)
                         except Exception as exc:
                             logger.warning("%s: closing the sink failed: %s", self.name, exc)
+        lost = [r for r in self._spills if r.path is None]
+        if lost:
+            spilled = describe_spills(self._spills)
+            raise self._lost_error(
+                lost,
+                f" Besides, {self._stats['spilled_rows']} rows were spilled: {spilled}; replay "
+                "them with `python -m recis_async.spill replay FILE --parquet ROOT`."
+                if spilled
+                else "",
+            )
         if self._stats["spilled"]:
-            files = tuple(self._spill_files)
+            files = self._files()
             kinds = ", ".join(f"{k}: {n}" for k, n in self._spill_kinds.items())
             raise TraceDeliveryError(
                 f"{self.name}: {self._stats['spilled']} batch(es) ({self._stats['spilled_rows']} "
                 f"rows) were not delivered ({kinds}; {self._stats['batches']} delivered) and "
-                f"were spilled "
-                f"to {', '.join(map(str, files))}; replay them with `python -m "
+                f"were spilled to {describe_spills(self._spills)}; replay them with `python -m "
                 f"recis_async.spill replay FILE --parquet ROOT` (or --odps-config cfg.json) "
                 f"or recis_async.spill.replay_spill(path, sink). Last error: {self._last_error}",
                 spilled_batches=self._stats["spilled"],
@@ -514,3 +780,22 @@ class TraceWriter:
         tx.close()
         with anyio.CancelScope(deadline=deadline):
             await self._work(rx, min(self.worker_num, len(backlog)))
+
+
+def _unwrap(group: BaseExceptionGroup) -> BaseException:
+    """The one error inside nested task-group groups, or a RuntimeError naming each."""
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                walk(inner)
+        else:
+            leaves.append(exc)
+
+    walk(group)
+    if len(leaves) == 1:
+        return leaves[0]
+    error = RuntimeError("; ".join(f"{type(e).__name__}: {e}" for e in leaves))
+    error.__cause__ = group
+    return error

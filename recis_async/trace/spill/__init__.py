@@ -7,7 +7,8 @@ Format, version 1 -- an Arrow IPC *stream* (``pyarrow.ipc``; suffix ``.arrows``)
   lists of the declared names and ODPS type names; ``sink`` = the sink's description;
   ``reason`` = why the batches were spilled; ``created`` = ISO-8601 UTC time.
 * One record batch per trace batch, in ``seq`` order, with custom metadata ``seq``,
-  ``rows`` and ``in_doubt``: empty, or the token of a delivery attempt whose outcome was
+  ``rows``, optionally ``steps`` (``"first-last"`` global steps whose rows it holds) and
+  ``in_doubt``: empty, or the token of a delivery attempt whose outcome was
   unknown (an ODPS upload session id; a Parquet path and inode).  A batch in doubt is settled
   by the sink before it is sent again, so replaying never duplicates it.
 
@@ -82,12 +83,14 @@ class SpillFile:
 
 @dataclass(frozen=True)
 class ReplayReport:
-    """What :func:`replay_spill` did: batches delivered now (including ones an earlier
-    attempt turned out to have delivered), and ones an earlier replay had finished."""
+    """What :func:`replay_spill` did: ``delivered`` batches (``rows`` rows) sent now;
+    ``present`` batches found already in the sink (an earlier attempt in doubt had in fact
+    committed them: not sent again); ``skipped`` ones an earlier replay had finished."""
 
     delivered: int
     skipped: int
     rows: int
+    present: int = 0
 
 
 def write_spill(
@@ -139,6 +142,7 @@ def write_spill(
                     "seq": str(batch.seq),
                     "rows": str(batch.rows),
                     "in_doubt": entry.in_doubt or "",
+                    **({"steps": f"{batch.steps[0]}-{batch.steps[1]}"} if batch.steps else {}),
                 },
             )
     return final
@@ -164,8 +168,14 @@ def read_spill(path: str | os.PathLike[str]) -> SpillFile:
             except StopIteration:
                 break
             info = {k.decode(): v.decode() for k, v in (custom or {}).items()}
+            steps = info.get("steps")
+            first, _, last = (steps or "").rpartition("-")
             batch = Batch.from_arrow(
-                pa.Table.from_batches([record]), seq=int(info["seq"]), fields=fields, types=types
+                pa.Table.from_batches([record]),
+                seq=int(info["seq"]),
+                fields=fields,
+                types=types,
+                steps=(int(first), int(last)) if steps else None,
             )
             if batch.rows != int(info["rows"]):
                 raise ValueError(
@@ -208,7 +218,7 @@ def replay_spill(path: str | os.PathLike[str], sink: Sink) -> ReplayReport:
     spill = read_spill(path)
     journal = journal_path(spill.path)
     done, tokens = read_journal(spill.path)
-    delivered = skipped = rows = 0
+    delivered = skipped = present = rows = 0
     first = spill.entries[0].batch if spill.entries else None
     if first is not None:
         sink.open(first.fields, first.types)
@@ -221,21 +231,26 @@ def replay_spill(path: str | os.PathLike[str], sink: Sink) -> ReplayReport:
             attempt = _JournaledAttempt(journal, seq, tokens.get(seq, entry.in_doubt))
             sink.write(entry.batch, attempt)
             _append(journal, {"seq": seq, "done": True})
-            delivered += 1
-            rows += entry.batch.rows
+            if attempt.settled_present:
+                present += 1
+            else:
+                delivered += 1
+                rows += entry.batch.rows
     finally:
         sink.close()
     logger.info(
-        "replayed %s into %s: %d batches (%d rows), %d already delivered",
+        "replayed %s into %s: %d batches (%d rows) delivered, %d already present, "
+        "%d by an earlier replay",
         spill.path,
         sink.name,
         delivered,
         rows,
+        present,
         skipped,
     )
     spill.path.unlink()
     journal.unlink(missing_ok=True)
-    return ReplayReport(delivered=delivered, skipped=skipped, rows=rows)
+    return ReplayReport(delivered=delivered, skipped=skipped, rows=rows, present=present)
 
 
 def journal_path(path: str | os.PathLike[str]) -> Path:

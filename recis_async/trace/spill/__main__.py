@@ -243,10 +243,11 @@ def _replay(args: argparse.Namespace) -> None:
             f"{cause}; {len(done)} of {len(spill.entries)} batches are delivered (recorded "
             "in the journal), run the same command again to deliver the rest"
         ) from None
+    present = f", {report.present} already present" if report.present else ""
     earlier = f", {report.skipped} by an earlier replay" if report.skipped else ""
     print(
         f"delivered {report.delivered} batch(es) ({report.rows} rows) to {sink.name}"
-        f"{earlier}; removed {path}"
+        f"{present}{earlier}; removed {path}"
     )
 
 
