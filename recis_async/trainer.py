@@ -407,6 +407,10 @@ class Trainer:
         data = self.train_dataset
         if isinstance(data, Sized) and not hasattr(data, "windows"):
             by_data = self.global_step + len(data) * self.args.train_epoch
+            at = self.data_position.restored
+            if at is not None:  # the restored epochs are done, the pass's batches skipped
+                skipped = 0 if self.args.ignore_data_skip else at.batches
+                by_data -= len(data) * at.epoch + skipped
             planned = by_data if planned is None else min(planned, by_data)
         return planned
 
