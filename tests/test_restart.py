@@ -147,3 +147,27 @@ def test_overwrite_output_dir_starts_again_with_one_lineage(tmp_path: Path) -> N
     assert f"done {STEPS}" in stdout
     assert "removed" in err and f"checkpoint-{stopped}.pt" in err
     assert [s for s, _ in list_checkpoints(out / "ckpt")] == [96, 112, 128]
+
+
+def test_kill_9_then_resume_repeats_only_steps_after_the_restored_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """The documented bound after a crash (no checkpoint at End): rows of steps between the
+    restored checkpoint and the kill that were delivered before it are written again; no step
+    before the checkpoint is, and every step from the checkpoint on is in the table."""
+    out = tmp_path / "job"
+    out.mkdir()
+    first = run(out, "--ready", "78", "--trace-bytes", "1024")  # a batch per 8 steps
+    wait_for(first, "ready")
+    first.kill()
+    first.wait(timeout=30)
+    (restored, _) = list_checkpoints(out / "ckpt")[-1]
+    assert restored >= 64  # save_steps=16; killed after step 78
+    code, _, err = finish(run(out, "--resume", "--trace-bytes", "1024"))
+    assert code == 0, err
+    counts = Counter(r["step"] for r in rows(out))
+    twice = sorted(s for s, n in counts.items() if n == 2 * BATCH)
+    assert set(counts.values()) <= {BATCH, 2 * BATCH}
+    # a prefix of the steps rerun: those delivered between the checkpoint and the kill
+    assert twice == list(range(restored, restored + len(twice))) and len(twice) < 32
+    assert all(counts[s] for s in range(restored, STEPS))

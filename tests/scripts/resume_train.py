@@ -8,6 +8,7 @@ model trained with SGD and momentum, a checkpoint every 16 steps into ``OUT_DIR/
 newest 3 kept), a log line every 10 steps, and every sample traced to the Parquet table
 ``OUT_DIR/trace/t`` as ``(step, epoch, id, loss)``.  Prints ``ready`` once ``--ready`` steps
 are done (each step takes about 10 ms) and ``done <global_step>`` when ``train`` returns.
+``--trace-bytes`` is the trace buffer's ``size_threshold`` (a step's rows take 128 bytes).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class Where(Hook):
             print("ready", flush=True)
 
 
-async def main(out: Path, resume: bool, overwrite: bool, ready: int) -> None:
+async def main(out: Path, resume: bool, overwrite: bool, ready: int, trace_bytes: int) -> None:
     torch.manual_seed(0)
     model = Model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -80,6 +81,7 @@ async def main(out: Path, resume: bool, overwrite: bool, ready: int) -> None:
         ["step", "epoch", "id", "loss"],
         ["bigint", "bigint", "bigint", "double"],
         spill_dir=out / "spill",
+        size_threshold=trace_bytes,
     )
     trainer = Trainer(
         model,
@@ -99,5 +101,6 @@ if __name__ == "__main__":
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--overwrite", action="store_true")
     parser.add_argument("--ready", type=int, default=70)
+    parser.add_argument("--trace-bytes", type=int, default=50 << 20)
     ns = parser.parse_args()
-    anyio.run(main, ns.out, ns.resume, ns.overwrite, ns.ready, backend=ns.backend)
+    anyio.run(main, ns.out, ns.resume, ns.overwrite, ns.ready, ns.trace_bytes, backend=ns.backend)
