@@ -17,7 +17,7 @@ from .priority import priority_label
 if TYPE_CHECKING:
     from .bus import HookBus
 
-__all__ = ["Filters", "Subscription", "filters", "is_train"]
+__all__ = ["Filters", "StepCadence", "Subscription", "filters", "is_train"]
 
 
 class Filters(msgspec.Struct, frozen=True, kw_only=True):
@@ -27,14 +27,46 @@ class Filters(msgspec.Struct, frozen=True, kw_only=True):
     ``every=3, when=is_train`` is every third training step).  Occurrences are counted per
     subscriber, 1-based: ``every=3`` fires on the 3rd, 6th, ...; ``once=2`` only on the 2nd
     (then the subscription removes itself); ``every_seconds`` at most once per interval (the
-    first occurrence fires).  Build one with :func:`filters`, which checks the values; a hook
-    declares them for its methods in ``Hook.subscription_filters``.
+    first occurrence fires).  ``every_step=n`` counts on the event's ``global_step`` instead
+    (:class:`StepCadence`): it fires on the steps that complete ``n``, ``2n``, ... steps, so a
+    run resumed from a checkpoint fires at the same steps as one never interrupted.  Build
+    one with :func:`filters`, which checks the values; a hook declares them for its methods in
+    ``Hook.subscription_filters``.
     """
 
     every: int | None = None
     once: int | None = None
     every_seconds: float | None = None
     when: Callable[[Any], bool] | None = None
+    every_step: int | None = None
+
+
+class StepCadence:
+    """Every ``n`` training steps, counted on the global step: the one rule of the built-in
+    hooks' step cadences and of ``Filters(every_step=n)``.
+
+    :meth:`due` is true for the step whose ``global_step + 1`` (the steps completed once it
+    ends) is a multiple of ``n``: the ``n``-th, ``2n``-th, ... step of the job, whatever step
+    the process started at.  A loop that never numbers its steps (every event says
+    ``global_step=0``) is counted per call instead, 1-based, as ``every=n`` would; a nonzero
+    ``global_step`` seen once marks the loop as numbering them.
+    """
+
+    __slots__ = ("count", "n", "numbered")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.count = 0  # calls, for loops that do not number their steps
+        self.numbered = False
+
+    def due(self, event: Any) -> bool:
+        """Count this step event and say whether the cadence fires on it."""
+        self.count += 1
+        step = getattr(event, "global_step", 0)
+        if step or self.numbered:
+            self.numbered = True
+            return (step + 1) % self.n == 0
+        return self.count % self.n == 0
 
 
 def is_train(event: Any) -> bool:
@@ -48,26 +80,32 @@ def filters(
     once: int | None = None,
     every_seconds: float | None = None,
     when: Callable[[Any], bool] | None = None,
+    every_step: int | None = None,
 ) -> Filters | None:
     """Checked :class:`Filters`, or ``None`` when none is given (the subscriber is called for
     every occurrence, with no counting on the publish path).
 
     Raises:
-        ValueError: ``every``/``once`` not a positive int, ``every_seconds`` not a positive
-            number; the message names ``caller`` and the argument.
+        ValueError: ``every``/``once``/``every_step`` not a positive int, ``every_seconds``
+            not a positive number; the message names ``caller`` and the argument.
         TypeError: ``when`` not callable.
     """
-    if every is None and once is None and every_seconds is None and when is None:
+    given = (every, once, every_seconds, when, every_step)
+    if all(value is None for value in given):
         return None
     if every is not None:
         positive_int(caller, "every", every)
+    if every_step is not None:
+        positive_int(caller, "every_step", every_step)
     if once is not None:
         positive_int(caller, "once", once)
     if every_seconds is not None:
         every_seconds = positive_number(caller, "every_seconds", every_seconds)
     if when is not None and not callable(when):
         raise TypeError(f"{caller}(when=...): expected a callable, got {when!r}")
-    return Filters(every=every, once=once, every_seconds=every_seconds, when=when)
+    return Filters(
+        every=every, once=once, every_seconds=every_seconds, when=when, every_step=every_step
+    )
 
 
 class Subscription:
@@ -79,6 +117,7 @@ class Subscription:
 
     __slots__ = (
         "_bus",
+        "_cadence",
         "active",
         "calls",
         "count",
@@ -118,6 +157,8 @@ class Subscription:
         self.filters = filters
         self.on_error = on_error
         self.filtered = filters is not None
+        every_step = None if filters is None else filters.every_step
+        self._cadence = None if every_step is None else StepCadence(every_step)
         self.active = True
         self.count = 0
         self.last_fired = -math.inf
@@ -137,6 +178,8 @@ class Subscription:
         self.count += 1
         n = self.count
         if f.every is not None and n % f.every:
+            return False
+        if self._cadence is not None and not self._cadence.due(event):
             return False
         if f.once is not None:
             if n != f.once:
@@ -162,6 +205,7 @@ class Subscription:
                 ("once", f.once),
                 ("every_seconds", f.every_seconds),
                 ("when", getattr(f.when, "__name__", f.when)),
+                ("every_step", f.every_step),
             )
             if v is not None
         ]

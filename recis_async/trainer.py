@@ -9,6 +9,13 @@
 The trainer owns ``global_step`` (0-based index of a step; after ``AfterStep`` ``global_step + 1``
 steps are done) and ``epoch``; hooks never advance them.  ``bus.should_stop`` is honoured at the
 step boundary.  ``End`` comes from the bus when it closes, once.
+
+A job's life across processes: every checkpoint holds the trainer's place in its data
+(:mod:`recis_async.checkpoint.position`), so ``train(resume_from_checkpoint=True)`` continues
+at the next batch the interrupted run would have read; a rerun without it refuses to start in an
+``output_dir`` that holds an earlier run's checkpoints (``overwrite_output_dir=True`` starts
+again, removing them), so one folder holds one run's checkpoints and its traces are not written
+twice.
 """
 
 from __future__ import annotations
@@ -18,7 +25,8 @@ import functools
 import logging
 import numbers
 import os
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence, Sized
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence, Sized
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 import anyio
@@ -26,10 +34,11 @@ import msgspec
 import torch
 
 from . import dist
-from ._checks import nonempty_str, positive_int, positive_number
+from ._checks import boolean, nonempty_str, positive_int, positive_number
 from .aggregate import MetricAggregator
 from .bus import HookBus
-from .checkpoint import restore_checkpoint
+from .checkpoint import list_checkpoints, restore_checkpoint
+from .checkpoint.position import DataPosition, Restored
 from .collect import add_metric
 from .console import default_logging
 from .events import (
@@ -70,6 +79,13 @@ class TrainingArguments(msgspec.Struct, kw_only=True, frozen=True):
     ``save_steps`` / ``max_to_keep`` configure checkpoints into ``output_dir`` (``None`` turns
     them off); ``log_steps`` the log interval; ``collective_timeout`` bounds, in seconds, the
     trainer's cross-rank stop agreement.
+
+    ``overwrite_output_dir``: a training call that does not resume refuses to start when a
+    checkpoint directory of its savers already holds checkpoints (an earlier run's: continuing
+    beside them would mix two runs and write their traces twice); with ``True`` it removes
+    those checkpoints and starts again.  ``ignore_data_skip``: on resume, read the data of the
+    restored pass from its start instead of skipping the batches the restored steps trained
+    on (HF's option of the same name: for data that resumes by itself).
     """
 
     output_dir: str = "output_dir"
@@ -81,10 +97,14 @@ class TrainingArguments(msgspec.Struct, kw_only=True, frozen=True):
     max_to_keep: int = 5
     gradient_accumulation_steps: int = 1
     collective_timeout: float = 300.0
+    overwrite_output_dir: bool = False
+    ignore_data_skip: bool = False
 
     def __post_init__(self) -> None:
         owner = "TrainingArguments"
         nonempty_str(owner, "output_dir", self.output_dir)
+        boolean(owner, "overwrite_output_dir", self.overwrite_output_dir)
+        boolean(owner, "ignore_data_skip", self.ignore_data_skip)
         for field in ("log_steps", "train_epoch", "max_to_keep", "gradient_accumulation_steps"):
             positive_int(owner, field, getattr(self, field))
         for field in ("train_steps", "eval_steps", "save_steps"):  # None: no limit / no saves
@@ -206,6 +226,7 @@ class Trainer:
         self._last_eval: dict[str, Any] = {}
         self._distributed = False  # set when a loop starts: the process group may come later
         self.logger_hook = LoggerHook(log_step=args.log_steps)
+        self.data_position = DataPosition()  # saved in checkpoints under "Trainer"
         self.checkpoint_hook: CheckpointSaverHook | None = None
         if args.save_steps is not None and not any(
             isinstance(h, CheckpointSaverHook) for h in hooks
@@ -227,12 +248,26 @@ class Trainer:
         ``resume_from_checkpoint``: ``True`` restores the newest checkpoint of
         ``args.output_dir`` (a path: of that directory) after ``Start``: model, optimizer,
         LR scheduler and hook states, then ``global_step`` continues from it (``train_steps``
-        counts the steps done before).  Without a checkpoint the run starts from scratch.  The
-        data is read from its beginning again: where a stream resumes is the dataset's job.
+        counts the steps done before).  Without a checkpoint the run starts from scratch, so
+        ``True`` suits a job a scheduler may restart.  The data continues where the
+        checkpoint was taken: the epoch and pass it was in, the batches its steps trained on
+        skipped (read and dropped, in a worker thread), under the random state the pass's
+        iterator was created with, so a shuffling ``DataLoader`` repeats its order
+        (``args.ignore_data_skip``: no skipping).
+
+        Without ``resume_from_checkpoint`` (or with a path other than a saver's directory),
+        a saver's directory that holds checkpoints is refused before anything starts, unless
+        ``args.overwrite_output_dir`` (which removes them); a trainer that already trained in
+        this process continues its own run.
+
+        Raises:
+            ValueError: an output directory holding an earlier run's checkpoints, as above;
+                ``overwrite_output_dir`` together with ``resume_from_checkpoint=True``.
         """
         self._require_training()
         _check_resume("train", resume_from_checkpoint)
-        async with self._session() as bus:
+        self._prepare_output_dirs("train", resume_from_checkpoint)
+        async with self._session(training=True) as bus:
             await bus.publish(Start(is_train=True))
             await self._restore(bus, resume_from_checkpoint)
             await self._train_loop(bus, evaluate=False)
@@ -247,7 +282,7 @@ class Trainer:
         """
         if self.eval_dataset is None:
             raise ValueError("Trainer.evaluate(): eval_dataset is None")
-        async with self._session() as bus:
+        async with self._session(training=False) as bus:
             await bus.publish(Start(is_train=False))
             return await self._evaluate(bus)
 
@@ -261,7 +296,8 @@ class Trainer:
         if self.eval_dataset is None:
             raise ValueError("Trainer.train_and_evaluate(): eval_dataset is None")
         _check_resume("train_and_evaluate", resume_from_checkpoint)
-        async with self._session() as bus:
+        self._prepare_output_dirs("train_and_evaluate", resume_from_checkpoint)
+        async with self._session(training=True) as bus:
             await bus.publish(Start(is_train=True))
             await self._restore(bus, resume_from_checkpoint)
             self._last_eval = {}
@@ -275,13 +311,68 @@ class Trainer:
         if self.optimizer is None:
             raise ValueError("Trainer: dense_optimizers[0] (the optimizer) is None; cannot train")
 
-    @contextlib.asynccontextmanager
-    async def _session(self) -> AsyncIterator[HookBus]:
-        default_logging()
+    def _session_hooks(self, *, training: bool) -> list[Hook]:
         hooks = list(self.hooks)
         for default in (self.logger_hook, self.checkpoint_hook):
             if default is not None and not any(isinstance(h, type(default)) for h in hooks):
                 hooks.append(default)  # unless the user brought their own of that kind
+        taken = self.bus is not None and any(
+            h.state_key == self.data_position.state_key and h is not self.data_position
+            for h in self.bus.hooks
+        )
+        if training and not taken:  # (another trainer's on a shared bus: it keeps the key)
+            hooks.append(self.data_position)
+        return hooks
+
+    def _prepare_output_dirs(self, method: str, resume: bool | str | os.PathLike[str]) -> None:
+        """Refuse, or with ``overwrite_output_dir`` empty, the checkpoint directories that hold
+        an earlier run's checkpoints when this call does not continue that run."""
+        overwrite = self.args.overwrite_output_dir
+        if resume is True and overwrite:
+            raise ValueError(
+                f"Trainer.{method}(resume_from_checkpoint=True): expected "
+                "TrainingArguments(overwrite_output_dir=False) when resuming (overwriting removes "
+                "the checkpoints to resume from), got overwrite_output_dir=True"
+            )
+        if resume is True or self.global_step > 0:
+            return  # continuing the run those checkpoints belong to
+        source = None if resume is False else os.path.realpath(resume)
+        hooks = self._session_hooks(training=True)
+        savers = [h for h in hooks if isinstance(h, CheckpointSaverHook)]
+        if self.bus is not None:
+            savers += [h for h in self.bus.hooks if isinstance(h, CheckpointSaverHook)]
+        directories = dict.fromkeys(os.path.realpath(h.output_dir) for h in savers)
+        for directory in directories:
+            if directory == source:
+                continue  # resuming from this directory: the same run goes on
+            found = list_checkpoints(directory)
+            if not found:
+                continue
+            if not overwrite:
+                newest = os.path.basename(found[-1][1])
+                raise ValueError(
+                    f"Trainer.{method}(resume_from_checkpoint={resume!r}): expected an output "
+                    f"directory without checkpoints, got {directory} holding {len(found)} "
+                    f"checkpoint(s) of an earlier run (the newest {newest}); pass "
+                    "resume_from_checkpoint=True to continue that run, or "
+                    "TrainingArguments(overwrite_output_dir=True) to start again (its "
+                    "checkpoints are removed), or choose another output_dir"
+                )
+            for _step, path in found:
+                with contextlib.suppress(FileNotFoundError):  # another rank removed it
+                    os.unlink(path)
+            logger.warning(
+                "overwrite_output_dir=True: removed %d checkpoint(s) of an earlier run from %s "
+                "(the newest %s); its traces and tracked runs stay where they were written",
+                len(found),
+                directory,
+                os.path.basename(found[-1][1]),
+            )
+
+    @contextlib.asynccontextmanager
+    async def _session(self, *, training: bool) -> AsyncIterator[HookBus]:
+        default_logging()
+        hooks = self._session_hooks(training=training)
         if self.bus is not None:
             for hook in hooks:
                 if not any(h is hook for h in self.bus.hooks):
@@ -297,11 +388,18 @@ class Trainer:
         if resume is False:
             return
         directory = self.args.output_dir if resume is True else resume
+        self.data_position.restored = None
         step = await restore_checkpoint(
             bus, directory, self.model, self.optimizer, self.lr_scheduler
         )
         if step is not None:
             self.global_step = step
+            if self.data_position.restored is None:
+                logger.warning(
+                    "the checkpoint of step %d holds no data position (an older format): the "
+                    "data is read from its beginning",
+                    step,
+                )
 
     def _planned_steps(self) -> int | None:
         """Steps this training call will run to, when known (for progress bars)."""
@@ -309,6 +407,10 @@ class Trainer:
         data = self.train_dataset
         if isinstance(data, Sized) and not hasattr(data, "windows"):
             by_data = self.global_step + len(data) * self.args.train_epoch
+            at = self.data_position.restored
+            if at is not None:  # the restored epochs are done, the pass's batches skipped
+                skipped = 0 if self.args.ignore_data_skip else at.batches
+                by_data -= len(data) * at.epoch + skipped
             planned = by_data if planned is None else min(planned, by_data)
         return planned
 
@@ -325,17 +427,29 @@ class Trainer:
         if windowed:
             await bus.publish(WindowMode(is_train=True))
         self.model.train()
-        for epoch in range(self.args.train_epoch):
+        position = self.data_position
+        resume = position.take_restored()
+        first_epoch = 0 if resume is None else resume.epoch
+        if resume is None:
+            position.epoch = position.window = position.batches = 0
+        for epoch in range(first_epoch, self.args.train_epoch):
             if not self._steps_left() or bus.should_stop:
                 break
             self.epoch = epoch
             await bus.publish(BeforeEpoch(is_train=True, epoch=epoch))
+            exhausted = True
             for window_index, window in enumerate(data.windows() if windowed else [data]):
                 if not self._steps_left() or bus.should_stop:
+                    exhausted = False
                     break
+                here = resume if resume and (epoch, window_index) == resume[:2] else None
+                if resume and epoch == resume.epoch and window_index < resume.window:
+                    continue  # a window the restored steps finished
                 if windowed:
                     await bus.publish(BeforeWindow(is_train=True, epoch=epoch, window=window_index))
-                await self._train_steps(bus, window, epoch)
+                exhausted = await self._train_steps(bus, window, epoch, window_index, here)
+                if exhausted:
+                    position.end_pass()
                 self._flush_accumulated()
                 await bus.publish(
                     AfterTrain(is_train=True, global_step=self.global_step, epoch=epoch)
@@ -344,12 +458,26 @@ class Trainer:
                     await self._evaluate(bus)
                 if windowed:
                     await bus.publish(AfterWindow(is_train=True, epoch=epoch, window=window_index))
+            if exhausted:
+                position.end_epoch()
             await bus.publish(AfterEpoch(is_train=True, epoch=epoch, global_step=self.global_step))
 
-    async def _train_steps(self, bus: HookBus, data: Iterable[Any], epoch: int) -> None:
+    async def _train_steps(
+        self, bus: HookBus, data: Iterable[Any], epoch: int, window: int, resume: Restored | None
+    ) -> bool:
+        """One pass over ``data`` (resuming it at ``resume``); true when it ran out of data."""
+        if resume is not None and self.args.ignore_data_skip:
+            resume = None
+        self.data_position.begin_pass(epoch, window, data, resume)
         it = iter(data)
         accumulate = self.args.gradient_accumulation_steps
         local = 0
+        if resume is not None:
+            if resume.batches:
+                local = await self._skip(bus, it, resume)
+                if bus.should_stop:
+                    return False
+            self.data_position.skipped(local, resume)
         while self._steps_left():
             at = _At(True, self.global_step, local, epoch)
             try:
@@ -359,7 +487,8 @@ class Trainer:
                 except StopIteration:
                     await bus.publish(at(OutOfData))
                     await self._agree(bus, _END_EPOCH, at.global_step)
-                    return
+                    return True
+                self.data_position.batches += 1
                 await bus.publish(at(AfterData))
                 loss = _trainable(_loss_of(self.model(batch)))
                 (loss / accumulate if accumulate > 1 else loss).backward()
@@ -373,8 +502,39 @@ class Trainer:
             except Exception:
                 await self._agree_failed(bus)
                 raise
-            if await self._agree(bus, _CONTINUE, at.global_step) != _CONTINUE or bus.should_stop:
-                return
+            decision = await self._agree(bus, _CONTINUE, at.global_step)
+            if decision == _END_EPOCH:
+                return True  # another rank ran out of data
+            if decision != _CONTINUE or bus.should_stop:
+                return False
+        return False
+
+    async def _skip(self, bus: HookBus, it: Iterator[Any], resume: Restored) -> int:
+        """Read and drop the batches of this pass the restored steps trained on (in a worker
+        thread, a chunk at a time so a stop signal is honoured); returns how many."""
+        logger.info(
+            "resuming epoch %d%s after %d batches: skipping what the restored steps trained on "
+            "(TrainingArguments.ignore_data_skip=True reads the data from its start)",
+            resume.epoch,
+            f" window {resume.window}" if resume.window else "",
+            resume.batches,
+        )
+        started = time.monotonic()
+        skipped = 0
+        while skipped < resume.batches and not bus.should_stop:
+            chunk = min(_SKIP_CHUNK, resume.batches - skipped)
+            got = await anyio.to_thread.run_sync(_advance, it, chunk)
+            skipped += got
+            if got < chunk:
+                logger.warning(
+                    "the data ended after %d batches; the restored checkpoint had trained on %d "
+                    "of this pass (the data changed?)",
+                    skipped,
+                    resume.batches,
+                )
+                break
+        logger.info("skipped %d batches in %.3g s", skipped, time.monotonic() - started)
+        return skipped
 
     async def _agree(self, bus: HookBus, mine: int, step: int) -> int:
         """Agree with every rank at the step boundary (distributed runs only).
@@ -464,6 +624,19 @@ class Trainer:
         await bus.publish(AfterEval(global_step=self.global_step, steps=local, metrics=metrics))
         self._last_eval = metrics
         return metrics
+
+
+_SKIP_CHUNK = 256  # batches skipped per worker-thread call on resume
+
+
+def _advance(it: Iterator[Any], n: int) -> int:
+    """Take up to ``n`` items of ``it``; returns how many there were."""
+    for i in range(n):
+        try:
+            next(it)
+        except StopIteration:
+            return i
+    return n
 
 
 def _is_eval(event: AfterStep) -> bool:

@@ -54,6 +54,10 @@ class CheckpointSaverHook(Hook):
     ended ``ok`` or ``preempted`` with steps not yet saved.  At a save point during the run it
     publishes ``BeforeSaveCheckpoint``, then reads every hook's ``state_dict()``; the save at
     ``End`` runs after every other ``End`` subscriber (the hook runs at ``Priority.VERY_LOW``).
+    A stop signal ends the run at a step boundary, so the save at ``End`` holds every step
+    whose ``AfterStep`` ran (and whose trace rows a :class:`~recis_async.hooks.TraceHook`
+    took): a run resumed from it continues at exactly the next step, with the
+    :class:`~recis_async.Trainer`'s data position saved among the hooks' states.
 
     Host memory: at most one snapshot is being written and one waits; with ``reuse_buffers``
     the CPU tensors of the last snapshot written (or superseded) are kept and overwritten in

@@ -1,5 +1,10 @@
 """LoggerHook: a progress line every ``log_step`` steps through stdlib ``logging``.
 
+Training lines come at the steps that complete a multiple of ``log_step`` steps of the job
+(counted on ``global_step`` by :class:`~recis_async.subscription.StepCadence`), so a run resumed
+from a checkpoint logs at the same steps as one never stopped; evaluation lines every
+``log_step`` steps of each evaluation.
+
 ``<mode=train> <gstep=..> <lstep=..> <qps=..> <sps=..> <loss=..> ...``: ``qps`` is samples/s
 and ``sps`` steps/s, measured on a monotonic clock over the steps since the previous line of
 the same mode.  The first window opens at the first step (its ``BeforeStep`` when published,
@@ -29,6 +34,7 @@ from .. import dist
 from .._checks import boolean, logger_or, positive_int, positive_number
 from ..events import AfterEval, AfterStep, BeforeStep
 from ..hook import Hook
+from ..subscription import StepCadence
 
 __all__ = ["LoggerHook", "format_value"]
 
@@ -73,7 +79,8 @@ class LoggerHook(Hook):
     tests.
 
     Args:
-        log_step: steps per log line.
+        log_step: steps per log line (training: the steps completing ``log_step``,
+            ``2 * log_step``, ... steps of the job).
         all_reduce: reduce the numbers over all ranks before rank 0 logs them.
         timeout: seconds the all-reduce may take.
         logger: where the lines go; default ``recis_async.hooks.logger``.
@@ -101,6 +108,7 @@ class LoggerHook(Hook):
         self.rank_zero_only = not all_reduce  # reducing needs every rank
         self.timeout = positive_number(owner, "timeout", timeout)
         self.log_step = positive_int(owner, "log_step", log_step)
+        self._cadence = StepCadence(self.log_step)  # training lines: on the global step
         if not callable(clock):
             raise TypeError(f"{owner}(clock=...): expected a callable, got {clock!r}")
         self.logger = logger_or(type(self).__name__, logger, "recis_async.hooks.logger")
@@ -140,7 +148,8 @@ class LoggerHook(Hook):
         if event.local_step or self._numbered[event.is_train]:
             self._numbered[event.is_train] = True
             lstep = event.local_step
-        if window.count % self.log_step:
+        due = self._cadence.due(event) if event.is_train else window.count % self.log_step == 0
+        if not due:
             return
         elapsed = window.busy + (now - window.seg_start)
         sps = window.steps / elapsed if elapsed > 0 else math.nan

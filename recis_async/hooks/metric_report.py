@@ -1,10 +1,12 @@
 """MetricReportHook: a periodic health report of the training job.
 
-Every ``interval_step`` training steps it reports throughput (samples/s, steps/s), where a
-step's time went (waiting for data, ``BeforeStep`` -> ``AfterData``, versus computing,
-``AfterData`` -> ``AfterStep``), the model's parameter counts and, for every dynamic hash
-table in the model, its id count and memory.  A hash table is any submodule with
-``ids_count() -> int`` and ``memory_bytes() -> int`` (``recis_async.nn.HashTable`` has both).
+At the steps completing ``interval_step``, ``2 * interval_step``, ... training steps of the job
+(counted on ``global_step``, so a resumed run reports at the same steps) it reports throughput
+(samples/s, steps/s), where a step's time went (waiting for data, ``BeforeStep`` ->
+``AfterData``, versus computing, ``AfterData`` -> ``AfterStep``), the model's parameter counts
+and, for every dynamic hash table in the model, its id count and memory.  A hash table is any
+submodule with ``ids_count() -> int`` and ``memory_bytes() -> int``
+(``recis_async.nn.HashTable`` has both).
 
 Timing is taken on the step (a clock read per event); counting parameters and scanning hash
 tables runs in a worker thread of a background job, which then logs the report and sends it
@@ -26,6 +28,7 @@ from .._checks import logger_or
 from ..events import AfterData, AfterStep, BeforeStep
 from ..hook import Hook
 from ..jobs import JobQueue
+from ..subscription import StepCadence
 from .logger import format_value
 from .ml_tracker import MLTrackerHook
 
@@ -102,7 +105,7 @@ class MetricReportHook(Hook):
         self._clock = clock
         self._bus: HookBus | None = None
         self._jobs: JobQueue[_Report] | None = None
-        self._count = 0
+        self._cadence = StepCadence(self.args.interval_step)
         self._window_start: float | None = None
         self._t_before: float | None = None
         self._t_data: float | None = None
@@ -147,8 +150,7 @@ class MetricReportHook(Hook):
             self._steps += 1
             self._samples += event.samples
         self._t_before = self._t_data = None
-        self._count += 1
-        if self._count % self.args.interval_step:
+        if not self._cadence.due(event):
             return
         elapsed = now - self._window_start
         steps = self._steps

@@ -35,7 +35,8 @@ class SummarySaverHook(Hook):
     """Write scalars and histograms to TensorBoard event files in ``output_dir`` (rank 0).
 
     Args:
-        save_steps: write every this many training steps (counted by the bus's filter).
+        save_steps: write at the steps completing ``save_steps``, ``2 * save_steps``, ...
+            steps of the job (the bus's ``every_step`` filter: a resumed run keeps them).
         output_dir: where the event files go.
         model: also write a histogram of every parameter.
         max_buffer_bytes: bytes of summaries that may wait for the writer.
@@ -67,8 +68,8 @@ class SummarySaverHook(Hook):
         self.save_steps = save_steps
         self.model = model
         self.max_buffer_bytes = max_buffer_bytes
-        # every save_steps-th training step, counted by the bus
-        self.subscription_filters = {"after_step": Filters(every=save_steps, when=is_train)}
+        # the steps completing save_steps, 2 * save_steps, ... steps, counted by the bus
+        self.subscription_filters = {"after_step": Filters(every_step=save_steps, when=is_train)}
         self._names: set[str] = set()
         self._service: TrackerService | None = None
 

@@ -642,7 +642,8 @@ async def test_trainer_saves_every_save_steps_and_resumes(tmp_path: Path) -> Non
     assert kept[-1] == 5 and len(kept) <= 2 and set(kept) <= {2, 4, 5}  # End saves step 5
 
     counter2, rec = Counter(), Recorder()
-    resumed, model2 = make_trainer(tmp_path, [counter2, rec], train_steps=7)
+    # the first run read its one epoch to the end: the resumed run goes on with a second one
+    resumed, model2 = make_trainer(tmp_path, [counter2, rec], train_steps=7, train_epoch=2)
     torch.manual_seed(99)
     with torch.no_grad():
         for p in model2.parameters():

@@ -237,7 +237,7 @@ async def test_trainer_run_filters_its_model() -> None:
     async with HookBus() as bus:
         trainer = Trainer(
             model,
-            TrainingArguments(train_steps=10),
+            TrainingArguments(train_steps=10, save_steps=None),  # nothing written to cwd
             data,
             hooks=[hook, OneEvictionAtATime()],
             dense_optimizers=(opt, None),

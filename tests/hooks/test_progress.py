@@ -56,7 +56,10 @@ async def test_progress_bar_starts_at_the_restored_step(tmp_path: Path) -> None:
     first = bar_trainer([], n=3, output_dir=str(tmp_path), save_steps=3)
     await first.train()
     bar = ProgressBarHook(file=out, mininterval=1e-9)
-    resumed = bar_trainer([bar], n=3, output_dir=str(tmp_path), save_steps=3, train_steps=5)
+    # the first run read its one epoch to the end: the resumed run goes on with a second one
+    resumed = bar_trainer(
+        [bar], n=3, output_dir=str(tmp_path), save_steps=3, train_steps=5, train_epoch=2
+    )
     await resumed.train(resume_from_checkpoint=True)
     frames = [f for f in out.getvalue().replace("\n", "\r").split("\r") if f.strip()]
     assert "3/5" in frames[0] and "5/5" in frames[-1]
