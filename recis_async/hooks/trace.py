@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from .._checks import one_of, positive_int
-from ..events import AfterStep, End, Start
+from ..events import AfterStep, Start
 from ..hook import Hook
 from ..trace.base import Sink
 from ..trace.buffer import ColumnBuffer
@@ -130,7 +130,6 @@ class TraceHook(Hook):
             owner=type(self).__name__,
         )
         self.sink = sink
-        self._ended = False  # End was published: later steps are refused, not traced
         self._warned_step = False
 
     @property
@@ -156,7 +155,7 @@ class TraceHook(Hook):
                 f"{type(self).__name__}: this hook already ran on a bus that has closed (its "
                 "writer was drained and closed with it); create a new hook for each bus"
             )
-        self._writer.watch_stop(lambda: bus.should_stop)
+        self._writer.watch_stop(lambda: bus.stopping)
         bus.start_service(self._writer)
 
     async def start(self, event: Start) -> None:
@@ -181,21 +180,11 @@ class TraceHook(Hook):
             "trace spill files (only if delivery fails)": str(self._writer.spill_dir.absolute()),
         }
 
-    async def end(self, event: End) -> None:
-        """The run ended: steps published after this are refused (they would be traced into
-        a run that is over).  What is buffered is delivered at close."""
-        self._ended = True
-
     async def after_step(self, event: AfterStep) -> None:
         writer = self._writer
         writer.raise_if_lost()  # before this step's rows are taken: they are not part of it
         if not event.trace or event.is_train is self._skip:
             return
-        if self._ended:
-            raise RuntimeError(
-                f"{type(self).__name__}: AfterStep(global_step={event.global_step}) was "
-                "published after End; its trace is not written (publish End once, last)"
-            )
         buffer = self._buffer
         before = buffer.nbytes
         buffer.append(event.trace, event.global_step)

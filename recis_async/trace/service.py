@@ -63,8 +63,6 @@ logger = logging.getLogger(__name__)
 #: seconds a publish waits for room (``worker_num + 1`` batches pending) before the batch is
 #: spilled instead: a sink stalled this long is not going to take it soon
 DEFAULT_SEND_TIMEOUT = 60.0
-#: how often a waiting ``send`` looks at the stop request
-_STOP_POLL_S = 0.1
 #: the folder under the system temp dir used when every spill directory refused a batch
 _TEMP_SPILL = "recis_async-spill"
 
@@ -256,7 +254,7 @@ class TraceWriter:
         self._spill_dirs = tuple(Path(creatable_dir(owner, "spill_dir", p)) for p in places)
         self._spill_dir = self._spill_dirs[0]
         self._send_timeout = float(send_timeout)
-        self._stop_requested: Callable[[], bool] = lambda: False
+        self._stopping: Callable[[], anyio.Event] | None = None  # the bus's stop event
         self._room = anyio.Event()  # set when a worker takes a batch (or the workers end)
         self._source = source
         self._max_age = None if max_age is None else float(max_age)
@@ -363,7 +361,8 @@ class TraceWriter:
         while True:
             if self._finished.is_set():
                 return f"the writer's workers have stopped (last error: {self._last_error})"
-            if self._stop_requested():
+            stopping = None if self._stopping is None else self._stopping()
+            if stopping is not None and stopping.is_set():
                 return "a stop was requested while the sink had no room (it is stalled)"
             left = give_up - anyio.current_time()
             if left <= 0:
@@ -374,8 +373,8 @@ class TraceWriter:
                 )
             if self._room.is_set():
                 self._room = anyio.Event()
-            with anyio.move_on_after(min(left, _STOP_POLL_S)):
-                await self._room.wait()
+            with anyio.move_on_after(left):
+                await _first_of(self._room, self._finished, stopping)
             if self._offer(batch):
                 return None
 
@@ -384,10 +383,11 @@ class TraceWriter:
         """Where batches that cannot be delivered are kept (the first place tried)."""
         return self._spill_dir
 
-    def watch_stop(self, stop_requested: Callable[[], bool]) -> None:
-        """Make a ``send`` waiting for room give up once ``stop_requested()`` is true (the
-        hook passes its bus's ``should_stop``)."""
-        self._stop_requested = stop_requested
+    def watch_stop(self, stopping: Callable[[], anyio.Event]) -> None:
+        """Make a ``send`` waiting for room give up as soon as the event ``stopping()``
+        returns is set (the hook passes its bus's :attr:`~recis_async.HookBus.stopping`; a
+        callable, as the bus makes its event only when entered)."""
+        self._stopping = stopping
 
     @property
     def used(self) -> bool:
@@ -799,3 +799,18 @@ def _unwrap(group: BaseExceptionGroup) -> BaseException:
     error = RuntimeError("; ".join(f"{type(e).__name__}: {e}" for e in leaves))
     error.__cause__ = group
     return error
+
+
+async def _first_of(*events: anyio.Event | None) -> None:
+    """Return as soon as one of ``events`` is set (``None`` entries are ignored)."""
+    waiting = [e for e in events if e is not None]
+    if any(e.is_set() for e in waiting):
+        return
+    async with anyio.create_task_group() as tg:
+
+        async def wait(event: anyio.Event) -> None:
+            await event.wait()
+            tg.cancel_scope.cancel()
+
+        for event in waiting:
+            tg.start_soon(wait, event)
