@@ -389,6 +389,7 @@ class HookBus:
         *,
         priority: int | str | Priority = Priority.NORMAL,
         every: int | None = None,
+        every_step: int | None = None,
         once: int | None = None,
         every_seconds: float | None = None,
         when: Callable[[E], bool] | None = None,
@@ -397,7 +398,8 @@ class HookBus:
         """Subscribe ``fn`` (sync or async) to ``event_type`` and its subclasses.
 
         Filters count this subscriber's occurrences, 1-based: ``every=3`` fires on the 3rd,
-        6th, ...; ``once=2`` only on the 2nd; ``every_seconds`` at most once per interval (the
+        6th, ...; ``every_step=3`` on the steps completing a multiple of 3 counted on the
+        event's ``global_step`` (the same steps after a resume); ``once=2`` only on the 2nd; ``every_seconds`` at most once per interval (the
         first occurrence fires); ``when(event)`` must return true.  All given must pass.
         """
         if not (isinstance(event_type, type) and issubclass(event_type, Event)):
@@ -411,7 +413,7 @@ class HookBus:
             fn,
             _callable_name(fn),
             priority_value(priority, field="subscribe(priority=...)"),
-            filters("subscribe", every, once, every_seconds, when),
+            filters("subscribe", every, once, every_seconds, when, every_step),
             check_on_error("subscribe", "on_error", on_error),
         )
 
@@ -421,6 +423,7 @@ class HookBus:
         *,
         priority: int | str | Priority = Priority.NORMAL,
         every: int | None = None,
+        every_step: int | None = None,
         once: int | None = None,
         every_seconds: float | None = None,
         when: Callable[[E], bool] | None = None,
@@ -434,6 +437,7 @@ class HookBus:
                 fn,
                 priority=priority,
                 every=every,
+                every_step=every_step,
                 once=once,
                 every_seconds=every_seconds,
                 when=when,

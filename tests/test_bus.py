@@ -728,3 +728,17 @@ def test_a_bus_used_in_a_second_event_loop_run_says_so() -> None:
     anyio.run(enter, backend="asyncio")
     with pytest.raises(RuntimeError, match=r"HookBus.close\(\): the bus was entered in another"):
         anyio.run(close, backend="asyncio")
+
+
+async def test_every_step_counts_on_the_global_step_so_a_resumed_run_fires_alike() -> None:
+    fired: dict[int, list[int]] = {}
+    for first in (0, 4):  # a run from the start, and one resumed at step 4
+        seen = fired.setdefault(first, [])
+        async with HookBus() as bus:
+            bus.on(AfterStep, every_step=3)(lambda e, seen=seen: seen.append(e.global_step))
+            for step in range(first, 12):
+                await bus.publish(AfterStep(global_step=step))
+    assert fired[0] == [2, 5, 8, 11]
+    assert fired[4] == [5, 8, 11]
+    with pytest.raises(ValueError, match=r"subscribe\(every_step=...\)|every_step"):
+        HookBus().subscribe(AfterStep, print, every_step=0)

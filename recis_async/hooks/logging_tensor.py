@@ -46,7 +46,8 @@ class LoggingTensorHook(Hook):
 
     Args:
         names: metric names to log, looked up in ``metrics`` then ``tracked``.
-        every_n_iter: log the first training step, then every n-th.
+        every_n_iter: log the training steps whose ``global_step`` is a multiple of n (the
+            first step, then every n-th, counted on the global step).
         every_n_secs: log the first training step, then at most once every that many seconds
             (counted by the bus's ``every_seconds`` filter).
 
@@ -81,7 +82,6 @@ class LoggingTensorHook(Hook):
             self.subscription_filters = {
                 "after_step": Filters(every_seconds=self.every_n_secs, when=is_train)
             }
-        self._iter = 0
         self._last: float = -math.inf
         self._warned: set[str] = set()
 
@@ -90,11 +90,9 @@ class LoggingTensorHook(Hook):
             return  # (with every_n_secs the bus's filter passes training steps only)
         now = time.monotonic()
         if self.every_n_iter is not None:
-            # TensorFlow's rule: the first step, then every n-th (the bus's ``every=n`` would
-            # fire on the n-th first)
-            due = self._iter % self.every_n_iter == 0
-            self._iter += 1
-            if not due:
+            # TensorFlow's rule (the first step, then every n-th) counted on the global step,
+            # so a resumed run logs the same steps as an uninterrupted one
+            if event.global_step % self.every_n_iter:
                 return
         parts = []
         for name in self.names:

@@ -80,3 +80,16 @@ def test_logging_tensor_bad_input() -> None:
         LoggingTensorHook("loss", every_n_iter=1)
     with pytest.raises(ValueError, match=r"names=...\): expected a non-empty list"):
         LoggingTensorHook([], every_n_iter=1)
+
+
+async def test_logging_tensor_every_n_iter_counts_on_the_global_step(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A run resumed at step 7 logs the steps an uninterrupted run logs (it logged its 1st,
+    6th, ... step: 7 and 12)."""
+    with caplog.at_level(logging.INFO, logger="recis_async.hooks.logging_tensor"):
+        async with HookBus() as bus:
+            bus.add_hook(LoggingTensorHook(["loss"], every_n_iter=5))
+            await loop(bus, [float(i) for i in range(7, 16)], first=7)
+    steps = [r.getMessage().split(" ")[0] for r in caplog.records]
+    assert steps == ["global_step=10", "global_step=15"]
