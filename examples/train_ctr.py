@@ -14,6 +14,9 @@ sums them up at the end (stderr); the script then prints the held-out AUC.
 
     python examples/train_ctr.py [--steps 2000] [--output-dir output/ctr] [--seed 7]
 
+Stopped (Ctrl-C, SIGTERM) and run again with the same ``--output-dir``, it continues from its
+last checkpoint: the step, the data and the tracked run go on where they stopped.
+
 ODPS (MaxCompute) instead of Parquet: set ``ODPS_PROJECT``, ``ODPS_ENDPOINT`` (and optionally
 ``ODPS_TABLE``, ``ODPS_PARTITION``, ``ODPS_TUNNEL_ENDPOINT``) plus ``ALIBABA_CLOUD_ACCESS_KEY_ID``
 and ``ALIBABA_CLOUD_ACCESS_KEY_SECRET``.
@@ -214,7 +217,8 @@ async def main(steps: int, out: Path, seed: int) -> float:
         dense_optimizers=(optimizer, None),
     )
     started = time.monotonic()
-    await trainer.train_and_evaluate()
+    # a job a scheduler restarts: continue from the newest checkpoint (from scratch if none)
+    await trainer.train_and_evaluate(resume_from_checkpoint=True)
     seconds = time.monotonic() - started
 
     model.eval()
