@@ -399,8 +399,9 @@ class HookBus:
 
         Filters count this subscriber's occurrences, 1-based: ``every=3`` fires on the 3rd,
         6th, ...; ``every_step=3`` on the steps completing a multiple of 3 counted on the
-        event's ``global_step`` (the same steps after a resume); ``once=2`` only on the 2nd; ``every_seconds`` at most once per interval (the
-        first occurrence fires); ``when(event)`` must return true.  All given must pass.
+        event's ``global_step`` (the same steps after a resume); ``once=2`` only on the 2nd;
+        ``every_seconds`` at most once per interval (the first occurrence fires);
+        ``when(event)`` must return true.  All given must pass.
         """
         if not (isinstance(event_type, type) and issubclass(event_type, Event)):
             raise TypeError(

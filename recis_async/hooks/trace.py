@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
+import anyio.to_thread
+
 from .._checks import one_of, positive_int
-from ..events import AfterStep, Start
+from ..events import AfterLoadCheckpoint, AfterStep, Start
 from ..hook import Hook
 from ..trace.base import Sink
 from ..trace.buffer import ColumnBuffer
@@ -131,6 +134,11 @@ class TraceHook(Hook):
         )
         self.sink = sink
         self._warned_step = False
+        # The traced run: stamped on every batch, kept in checkpoints.  A run resumed from a
+        # checkpoint older than its last delivered rows (a crash) skips the steps the sink
+        # already holds, whose ranges ``after_load_checkpoint`` asks it for.
+        self._buffer.run = secrets.token_hex(8)
+        self._delivered: list[tuple[int, int]] = []
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -180,10 +188,38 @@ class TraceHook(Hook):
             "trace spill files (only if delivery fails)": str(self._writer.spill_dir.absolute()),
         }
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"run": self._buffer.run}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        run = state.get("run")
+        if isinstance(run, str):
+            self._buffer.run = run
+
+    async def after_load_checkpoint(self, event: AfterLoadCheckpoint) -> None:
+        """The run continues from ``event.global_step``: find which later steps the sink
+        already holds (delivered before a crash that left no newer checkpoint)."""
+        delivered_steps = getattr(self.sink, "delivered_steps", None)
+        run = self._buffer.run
+        if delivered_steps is None or run is None:
+            return
+        ranges = await anyio.to_thread.run_sync(delivered_steps, run)
+        self._delivered = [(a, b) for a, b in ranges if b >= event.global_step]
+        if self._delivered:
+            logger.info(
+                "%s: steps %s of this run were delivered before it stopped; resumed at step "
+                "%d, their rows are not traced again",
+                type(self).__name__,
+                ", ".join(f"{a}-{b}" for a, b in self._delivered),
+                event.global_step,
+            )
+
     async def after_step(self, event: AfterStep) -> None:
         writer = self._writer
         writer.raise_if_lost()  # before this step's rows are taken: they are not part of it
         if not event.trace or event.is_train is self._skip:
+            return
+        if self._delivered and self._already_delivered(event.global_step):
             return
         buffer = self._buffer
         before = buffer.nbytes
@@ -203,6 +239,12 @@ class TraceHook(Hook):
             self._max_age is not None and buffer.age() >= self._max_age
         ):
             await writer.send(buffer.seal())  # a loss seen here is raised by the next step
+
+    def _already_delivered(self, step: int) -> bool:
+        """Whether ``step``'s rows were delivered before a restart (ranges in step order)."""
+        while self._delivered and self._delivered[0][1] < step:
+            self._delivered.pop(0)  # passed: never asked again
+        return bool(self._delivered) and self._delivered[0][0] <= step
 
     def __repr__(self) -> str:
         return (

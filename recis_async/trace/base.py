@@ -140,6 +140,10 @@ class Sink(Protocol):
 
     # Optional: ``check_fields(fields, owner)`` raising ``ValueError`` for field names the
     # sink cannot store (ParquetSink: a partition key's name); TraceHook calls it at once.
+    # Optional: ``delivered_steps(run) -> [(first, last), ...]``, the step ranges of a traced
+    # run the table holds (ParquetSink: from its files' footers); a run resumed from a
+    # checkpoint older than its last delivered rows (after a crash) uses it to trace each
+    # step once.  A sink without it cannot tell: such steps are written again.
 
 
 _PARTITION_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")

@@ -41,7 +41,9 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True):
     ``columns[i]`` holds the chunks of ``fields[i]`` in row order (see
     :data:`~recis_async.trace.schema.Chunk`); every field has ``rows`` rows in total.  ``nbytes``
     is the exact size of all arrays held.  ``steps`` is the first and last ``global_step`` whose
-    rows it holds, when the feeder said (for messages about where rows went).
+    rows it holds, when the feeder said (for messages about where rows went); ``run`` names
+    the traced run they belong to (:attr:`ColumnBuffer.run`), so that a run resumed after a
+    crash can tell which of its steps a table already holds.
     """
 
     seq: int
@@ -51,6 +53,7 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True):
     types: tuple[OdpsType, ...]
     columns: tuple[tuple[Chunk, ...], ...]
     steps: tuple[int, int] | None = None
+    run: str | None = None
 
     @property
     def schema(self) -> pa.Schema:
@@ -74,6 +77,7 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True):
         fields: Sequence[str],
         types: Sequence[str],
         steps: tuple[int, int] | None = None,
+        run: str | None = None,
     ) -> Batch:
         """Rebuild a batch from an Arrow table holding ``fields`` (used by spill replay)."""
         names, parsed = parse_schema(fields, types)
@@ -91,6 +95,7 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True):
             types=parsed,
             columns=columns,
             steps=steps,
+            run=run,
         )
 
 
@@ -118,6 +123,7 @@ class ColumnBuffer:
         self._steps = 0
         self._first_at: float | None = None
         self._steps_seen: tuple[int, int] | None = None
+        self.run: str | None = None  # the traced run's id, stamped on every batch sealed
         self._next_seq = 0
         # per field: (name, the numpy dtype it is stored as or None, the ndim of a raw chunk)
         self._plan = tuple(
@@ -248,6 +254,7 @@ class ColumnBuffer:
             types=self.types,
             columns=tuple(tuple(chunks) for chunks in self._chunks),
             steps=self._steps_seen,
+            run=self.run,
         )
         self._next_seq += 1
         self._steps_seen = None

@@ -172,6 +172,23 @@ class ParquetSink:
             self._opened_rank = rank
             self._next_seq = max(taken, default=-1) + 1
 
+    def delivered_steps(self, run: str) -> list[tuple[int, int]]:
+        """The step ranges of ``run`` this rank's part files hold (from their footers: each
+        file written for a batch of a run records its run and first and last step)."""
+        rank = self._opened_rank
+        if rank is None:
+            raise SinkError(f"{self.name}: delivered_steps before open", transient=False)
+        pattern = re.compile(rf"part-{rank}-\d+\.parquet\Z")
+        found = []
+        for name in os.listdir(self.directory):
+            if not pattern.match(name):
+                continue
+            meta = pq.read_schema(self.directory / name).metadata or {}
+            if meta.get(_RUN_KEY, b"").decode() == run and _STEPS_KEY in meta:
+                first, _, last = meta[_STEPS_KEY].decode().partition("-")
+                found.append((int(first), int(last)))
+        return sorted(found)
+
     def write(self, batch: Batch, attempt: Attempt) -> None:
         """Write ``batch`` as one new part file (the in-doubt token is its final path)."""
         rank = self._opened_rank
@@ -189,6 +206,8 @@ class ParquetSink:
         try:
             try:
                 table = batch.to_arrow()
+                if batch.run is not None and batch.steps is not None:
+                    table = table.replace_schema_metadata(_steps_metadata(batch.run, batch.steps))
                 rows = self._row_group_size or _rows_per_group(batch)
                 with pq.ParquetWriter(str(tmp), table.schema, **self._write_options) as writer:
                     for start in range(0, table.num_rows, rows):
@@ -316,3 +335,11 @@ def _codec(compression: object) -> str:
 def _rows_per_group(batch: Batch) -> int:
     """Rows of ``batch`` that hold about :data:`_ROW_GROUP_BYTES`."""
     return max(1, batch.rows * _ROW_GROUP_BYTES // max(batch.nbytes, 1))
+
+
+_RUN_KEY, _STEPS_KEY = b"recis_async.run", b"recis_async.steps"
+
+
+def _steps_metadata(run: str, steps: tuple[int, int]) -> dict[bytes, bytes]:
+    """A part file's footer metadata naming the run and the steps whose rows it holds."""
+    return {_RUN_KEY: run.encode(), _STEPS_KEY: f"{steps[0]}-{steps[1]}".encode()}

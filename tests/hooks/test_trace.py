@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from odps_server import TEST_SECRET, OdpsServer, read_with_pyodps, sink_config
 from trace_data import ALL_FIELDS, ALL_TYPES, all_types_step, expected_row
 
 from recis_async import HookBus, HookError, add_to_trace
-from recis_async.events import AfterStep, BeforeStep, Start
+from recis_async.events import AfterLoadCheckpoint, AfterStep, BeforeStep, Start
 from recis_async.hooks import TraceHook, TraceToOdpsHook
 from recis_async.sinks import OdpsSink, ParquetSink
 from recis_async.spill import read_spill, replay_spill
@@ -558,3 +559,38 @@ async def test_a_cancelled_close_waits_for_a_commit_under_way_then_spills_nothin
     for path in (tmp_path / "spill").glob("*.arrows"):
         replay_spill(path, OdpsSink(sink_config(server, "t", "dt=20261122")))
     assert odps_ids(server) == list(range(3 * ROWS))  # and never both
+
+
+async def _traced_run(
+    root: Path, steps: range, *, state: dict[str, Any] | None, resume_at: int | None
+) -> dict[str, Any]:
+    """A run tracing 2 rows a step (a batch per step) into ``root/t``; ``state``: the run's
+    TraceHook state from a checkpoint; ``resume_at``: the restored checkpoint's step."""
+    hook = TraceHook(ParquetSink(root, "t", rank=0), ["step"], ["bigint"], size_threshold=1)
+    if state is not None:
+        hook.load_state_dict(state)
+    async with HookBus() as bus:
+        bus.add_hook(hook)
+        await bus.publish(Start())
+        if resume_at is not None:
+            await bus.publish(AfterLoadCheckpoint(global_step=resume_at))
+        for step in steps:
+            await bus.publish(BeforeStep(global_step=step))
+            add_to_trace("step", [step, step])
+            await bus.publish(AfterStep(global_step=step))
+    return hook.state_dict()
+
+
+@pytest.mark.anyio
+async def test_a_run_resumed_after_a_crash_traces_each_step_once(tmp_path: Path) -> None:
+    """Restored at step 5 of a run whose rows reached step 9 (a crash left no newer
+    checkpoint): steps 5-9 are trained again but not traced again; another run writing into
+    the same table is not mistaken for this one."""
+    state = await _traced_run(tmp_path, range(10), state=None, resume_at=None)
+    await _traced_run(tmp_path, range(5, 13), state=state, resume_at=5)  # this run, resumed
+    table = pads.dataset(tmp_path / "t", format="parquet").to_table()
+    counts = Counter(table["step"].to_pylist())
+    assert counts == {s: 2 for s in range(13)}
+    await _traced_run(tmp_path, range(5, 7), state=None, resume_at=5)  # another run
+    table = pads.dataset(tmp_path / "t", format="parquet").to_table()
+    assert Counter(table["step"].to_pylist())[5] == 4

@@ -4,6 +4,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pyarrow as pa
 import pyarrow.dataset as pads
 import pytest
@@ -159,3 +160,16 @@ def test_other_files_are_refused(tmp_path: Path) -> None:
         read_spill(path)
     with pytest.raises(ValueError, match="at least one batch"):
         write_spill(tmp_path, [], sink_name="x", reason="r")
+
+
+def test_a_spilled_batch_keeps_its_run_and_steps_through_replay(tmp_path: Path) -> None:
+    """Replayed rows count as delivered for the run they belong to (a resume after a crash
+    then does not trace their steps again)."""
+    batch = msgspec.structs.replace(simple_batches(1)[0], steps=(7, 9), run="run-a")
+    path = write_spill(tmp_path / "spill", [SpillEntry(batch, None)], sink_name="x", reason="r")
+    (entry,) = read_spill(path).entries
+    assert (entry.batch.steps, entry.batch.run) == ((7, 9), "run-a")
+    sink = ParquetSink(tmp_path, "t", rank=0)
+    replay_spill(path, sink)
+    sink.open(batch.fields, batch.types)
+    assert sink.delivered_steps("run-a") == [(7, 9)] and sink.delivered_steps("run-b") == []

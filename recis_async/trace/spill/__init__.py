@@ -7,7 +7,8 @@ Format, version 1 -- an Arrow IPC *stream* (``pyarrow.ipc``; suffix ``.arrows``)
   lists of the declared names and ODPS type names; ``sink`` = the sink's description;
   ``reason`` = why the batches were spilled; ``created`` = ISO-8601 UTC time.
 * One record batch per trace batch, in ``seq`` order, with custom metadata ``seq``,
-  ``rows``, optionally ``steps`` (``"first-last"`` global steps whose rows it holds) and
+  ``rows``, optionally ``steps`` (``"first-last"`` global steps whose rows it holds), ``run``
+  (the traced run's id) and
   ``in_doubt``: empty, or the token of a delivery attempt whose outcome was
   unknown (an ODPS upload session id; a Parquet path and inode).  A batch in doubt is settled
   by the sink before it is sent again, so replaying never duplicates it.
@@ -143,6 +144,7 @@ def write_spill(
                     "rows": str(batch.rows),
                     "in_doubt": entry.in_doubt or "",
                     **({"steps": f"{batch.steps[0]}-{batch.steps[1]}"} if batch.steps else {}),
+                    **({"run": batch.run} if batch.run else {}),
                 },
             )
     return final
@@ -176,6 +178,7 @@ def read_spill(path: str | os.PathLike[str]) -> SpillFile:
                 fields=fields,
                 types=types,
                 steps=(int(first), int(last)) if steps else None,
+                run=info.get("run") or None,
             )
             if batch.rows != int(info["rows"]):
                 raise ValueError(
