@@ -175,6 +175,8 @@ class HookBus:
         if self._state in ("closing", "closed"):
             return []
         self._check_loop("close")
+        if self._signals.unseen:  # a stop signal the loop has not delivered yet: log it now
+            self._signals.catch_up()
         self._state = "closing"
         errors: list[HookError] = []
         if self._unawaited is not None:
@@ -326,7 +328,9 @@ class HookBus:
         priority = priority_value(hook.priority, field=f"{type(hook).__name__}.priority")
         on_error = check_on_error(type(hook).__name__, "on_error", hook.on_error)
         cls = type(hook)
-        methods: dict[str, type[Event]] = {}
+        # Method name -> the event types it handles: usually one; two custom events of one
+        # class name (in two modules) both reach the method named after them.
+        methods: dict[str, list[type[Event]]] = {}
         for event_type in _event_types():
             name = method_name(event_type)
             if name in RESERVED_NAMES:
@@ -334,7 +338,9 @@ class HookBus:
             impl = getattr(cls, name, None)
             if impl is None or impl is getattr(Hook, name, None) or not callable(impl):
                 continue
-            methods[name] = event_type
+            types = methods.setdefault(name, [])
+            if not any(issubclass(event_type, t) for t in types):  # a base covers it already
+                types.append(event_type)
         for name, value in hook.subscription_filters.items():
             if name not in methods:
                 raise ValueError(
@@ -347,16 +353,17 @@ class HookBus:
                     f"Filters, got {value!r}"
                 )
         added: list[Subscription] = []
-        for name, event_type in methods.items():
-            sub = self._add(
-                event_type,
-                getattr(hook, name),
-                f"{cls.__name__}.{name}",
-                priority,
-                hook.subscription_filters.get(name),
-                on_error,
-            )
-            added.append(sub)
+        for name, event_types in methods.items():
+            for event_type in event_types:
+                sub = self._add(
+                    event_type,
+                    getattr(hook, name),
+                    f"{cls.__name__}.{name}",
+                    priority,
+                    hook.subscription_filters.get(name),
+                    on_error,
+                )
+                added.append(sub)
         self._hooks.append(hook)
         try:
             hook.attach(self)

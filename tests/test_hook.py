@@ -161,3 +161,19 @@ async def test_a_hook_whose_attach_fails_is_not_half_added() -> None:
         hook.start = lambda event: None  # type: ignore[method-assign]
         bus.add_hook(hook)  # adding it again works once attach succeeds
         assert bus.hooks == (hook,)
+
+
+async def test_two_custom_events_of_one_name_both_reach_the_method_named_after_them() -> None:
+    """A hook method is matched by name: an event class of the same name defined elsewhere (a
+    second module, or a test's local class still alive) must not take the first one's place."""
+
+    class Other:
+        class EvalProbe(Event, frozen=True, kw_only=True):
+            auc: float = 0.0
+
+    log: list[Any] = []
+    async with HookBus() as bus:
+        bus.add_hook(Recording(log))
+        await bus.publish(EvalProbe(auc=0.5))
+        await bus.publish(Other.EvalProbe(auc=0.25))
+    assert log == [("probe", 0.5), ("probe", 0.25), ("end", "ok")]
