@@ -16,16 +16,15 @@ too.  A loop that publishes only some step events gets the ranges those events b
 
 Ranges are host-side markers: nothing here synchronizes the device or reads a tensor, and the
 process is never exited (RecIS's ``NvtxProfileHook`` synchronized before every operator and
-ended the process after its window).  NVTX ranges nest per thread, so every range is pushed
-and popped on the thread that publishes the events (the training thread); a publish from
-another thread is ignored, with one warning.  Without CUDA the hook says so once and does
-nothing.
+ended the process after its window).  NVTX ranges nest per thread: every range is pushed and
+popped by a subscriber, and the bus runs every subscriber on its event loop's thread (a
+publish from a worker thread goes through ``anyio.from_thread``), so the stack stays balanced
+on that one thread.  Without CUDA the hook says so once and does nothing.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -36,6 +35,7 @@ from ..events import (
     AfterStep,
     BeforeStep,
     End,
+    Error,
     Event,
     OutOfData,
 )
@@ -94,8 +94,6 @@ class NvtxHook(Hook):
         self.ranges = ranges
         self._open: list[str] = []  # the ranges pushed and not popped, outermost first
         self._step_open = False  # whether _open[0] is the step's range
-        self._thread: int | None = None
-        self._warned = False
         self._attached = False
 
     def __repr__(self) -> str:
@@ -127,23 +125,7 @@ class NvtxHook(Hook):
             self._open.pop()
             self.ranges.range_pop()
 
-    def _on_thread(self) -> bool:
-        ident = threading.get_ident()
-        if self._thread is None:
-            self._thread = ident
-        if ident == self._thread:
-            return True
-        if not self._warned:
-            self._warned = True
-            logger.warning(
-                "NvtxHook: events published from a second thread are not marked (NVTX ranges "
-                "nest per thread)"
-            )
-        return False
-
     def _first(self, event: Event) -> None:
-        if not self._on_thread():
-            return
         kind = type(event)
         if isinstance(event, BeforeStep):
             self._pop_to(0)  # a step that never ended (a failed hook) is closed here
@@ -151,11 +133,12 @@ class NvtxHook(Hook):
             self._step_open = True
         elif kind in _NEXT_PHASE:
             self._pop_to(1 if self._step_open else 0)  # the phase this event ends
+        elif kind is Error or kind is End:  # the run ends: a step cut short ends with it
+            self._pop_to(0)
+            self._step_open = False
         self._push(f"hooks {kind.__name__}")
 
     def _last(self, event: Event) -> None:
-        if not self._on_thread():
-            return
         kind = type(event)
         if kind is End:
             self._pop_to(0)
