@@ -49,6 +49,8 @@ class _Window(NamedTuple):
     wall: float  # seconds since the previous window (monotonic)
     cpu: float  # process CPU seconds since the previous window
     cpu_total: float  # process CPU seconds since it started
+    rss: float  # resident bytes now
+    peak_rss: float  # resident bytes at the peak so far
     cuda: dict[str, float]  # the allocator's counters, renamed
 
 
@@ -80,11 +82,13 @@ class DeviceStatsHook(Hook):
       peaks are reset at every window), ``cuda/alloc_retries`` (``cudaMalloc`` retries after
       freeing the cache: memory pressure) and ``cuda/ooms``, both counted since the start.
 
-    Names get ``prefix``.  On the step only the allocator's host-side counters and the clocks
-    are read (no device synchronization, no tensor); ``/proc`` is read, the line logged at
-    INFO and the values sent to every :class:`~recis_async.hooks.MLTrackerHook` on the bus by
-    a background job, as :class:`~recis_async.hooks.MetricReportHook` does (add this hook
-    after the tracker hook).  ``last`` holds the latest values.
+    Names get ``prefix``.  At the window's last step the hook reads the clocks, the
+    allocator's host-side counters (no device synchronization, no tensor) and
+    ``/proc/self/statm`` (kernel memory, not a disk; about 10 us once a window); a background
+    job logs the line at INFO and sends the values to every
+    :class:`~recis_async.hooks.MLTrackerHook` on the bus, as
+    :class:`~recis_async.hooks.MetricReportHook` does (add this hook after the tracker hook).
+    ``last`` holds the latest values.
 
     Args:
         every_n_steps: training steps per window.
@@ -138,13 +142,17 @@ class DeviceStatsHook(Hook):
             stats = torch.cuda.memory_stats()  # host-side counters: no synchronization
             cuda = {name: float(stats.get(key, 0)) for key, name in _CUDA_STATS}
             torch.cuda.reset_peak_memory_stats()
-        window = _Window(event.global_step, wall - self._wall, cpu - self._cpu, cpu, cuda)
+        rss = _rss_bytes()
+        peak = max(rss, _peak_rss_bytes())  # the kernel's high-water mark lags a little
+        window = _Window(
+            event.global_step, wall - self._wall, cpu - self._cpu, cpu, rss, peak, cuda
+        )
         self._wall, self._cpu = wall, cpu
         if self._jobs is not None:
             await self._jobs.put(window)
 
     async def _report(self, window: _Window) -> None:
-        rss, peak = await anyio.to_thread.run_sync(lambda: (_rss_bytes(), _peak_rss_bytes()))
+        rss, peak = window.rss, window.peak_rss
         p = self.prefix
         values = {
             f"{p}host/rss_bytes": rss,
