@@ -117,11 +117,9 @@ class DeviceStatsHook(Hook):
         if self._jobs is not None:
             raise RuntimeError(f"{self!r} is already attached to a bus")
         self._bus = bus
-        # a window that cannot be logged in time is skipped, never waited for
         self._jobs = JobQueue(
-            "DeviceStatsHook.report", self._report, capacity=2, overflow="skip",
-            on_error=self.on_error,
-        )  # fmt: skip
+            "DeviceStatsHook.report", self._report, capacity=2, on_error=self.on_error
+        )
         bus.start_service(self._jobs)
         self._start_window()
 
