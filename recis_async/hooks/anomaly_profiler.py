@@ -172,7 +172,8 @@ class AnomalyProfilerHook(Hook):
         if self.slowdown is not None and start is not None:
             took = now - start
             times = self._times
-            if len(times) >= MIN_HISTORY:
+            # the median only when the step could be slow (above slowdown x the fastest)
+            if len(times) >= MIN_HISTORY and took > self.slowdown * min(times):
                 median = statistics.median(times)
                 if took > self.slowdown * median > 0:
                     reason = "slow_step"
@@ -187,7 +188,7 @@ class AnomalyProfilerHook(Hook):
             if isinstance(loss, numbers.Real) and not isinstance(loss, bool):
                 value = float(loss)  # a number already on the host (never a tensor)
                 losses = self._losses
-                if not reason and len(losses) >= MIN_HISTORY:
+                if not reason and len(losses) >= MIN_HISTORY and value > min(losses):
                     median = statistics.median(losses)
                     if median > 0 and value > self.loss_jump * median:
                         reason = "loss_spike"

@@ -23,6 +23,7 @@ from ..errors import OnError
 from ..events import AfterStep, BeforeStep, End, Error, Start
 from ..hook import Hook
 from ..jobs import JobQueue
+from ..subscription import Filters
 from .ml_tracker import MLTrackerHook
 
 if TYPE_CHECKING:
@@ -103,6 +104,8 @@ class DeviceStatsHook(Hook):
         owner = type(self).__name__
         self.every_n_steps = positive_int(owner, "every_n_steps", every_n_steps)
         self.prefix = nonempty_str(owner, "prefix", prefix)
+        # the bus calls after_step at the windows' last steps only
+        self.subscription_filters = {"after_step": Filters(when=self._window_ends)}
         self.last: tuple[int, dict[str, float]] | None = None
         self._cuda = torch.cuda.is_available()
         self._bus: HookBus | None = None
@@ -131,9 +134,10 @@ class DeviceStatsHook(Hook):
         if self._cuda and torch.cuda.is_initialized():
             torch.cuda.reset_peak_memory_stats()
 
+    def _window_ends(self, event: AfterStep) -> bool:
+        return event.is_train and not (event.global_step + 1) % self.every_n_steps
+
     async def after_step(self, event: AfterStep) -> None:
-        if not event.is_train or (event.global_step + 1) % self.every_n_steps:
-            return
         wall, cpu = time.monotonic(), time.process_time()
         cuda: dict[str, float] = {}
         if self._cuda and torch.cuda.is_initialized():  # never create a CUDA context here
