@@ -40,6 +40,15 @@ registered in ``SECTIONS``:
     Target (issue 16): MlflowTracker >= 0.9x no hooks, set-up no longer than that yardstick.
 
     python benchmarks/bench_hooks.py --only tracker-job [--rounds 4]
+
+``monitors``
+    The monitoring hooks of issue 24 (``DeviceStatsHook``, ``OOMObserverHook``, ``NvtxHook``
+    with no-op ranges, ``AnomalyProfilerHook`` on a run without anomalies, ``TimerHook``), each
+    alone and all five together, interleaved with no hooks as in ``tracker`` (default batch
+    512, ~3 ms a step).  Printed: each one's loop time over the no-hook loop time per step,
+    in us and as a share of the step.  Target (issue 24): each <= 1 % of the step.
+
+    python benchmarks/bench_hooks.py --only monitors [--rounds 4] [--seconds 1.5]
 """
 
 from __future__ import annotations
@@ -538,9 +547,90 @@ def section_tracker_job(args: argparse.Namespace) -> bool:
 
 # --------------------------------------------------------------------------- main
 
+# --------------------------------------------------------------------------- monitors
+
+
+def section_monitors(args: argparse.Namespace) -> bool:
+    """The monitoring hooks of issue 24, each alone and all together, against no hooks."""
+    from recis_async.hooks import (
+        AnomalyProfilerHook,
+        DeviceStatsHook,
+        NvtxHook,
+        OOMObserverHook,
+        TimerHook,
+    )
+
+    torch.set_num_threads(1)
+    root = Path(tempfile.mkdtemp(prefix="bench_monitors_"))
+
+    class NoRanges:  # NVTX's bookkeeping without CUDA: the pushes and pops do nothing
+        def range_push(self, msg: str) -> None: ...
+        def range_pop(self) -> None: ...
+
+    def nothing_on_step(step: int, loss: torch.Tensor) -> None:
+        pass
+
+    async def nothing() -> None:
+        pass
+
+    def variant(
+        *make: Callable[[], Any],
+    ) -> Callable[[], contextlib.AbstractAsyncContextManager[Session]]:
+        @contextlib.asynccontextmanager
+        async def session() -> AsyncIterator[Session]:
+            async with HookBus() as bus:
+                for m in make:
+                    bus.add_hook(m())
+                yield Session(bus, nothing_on_step, nothing, lambda: True)
+
+        return session
+
+    hooks: dict[str, Callable[[], Any]] = {
+        "DeviceStatsHook(every_n_steps=100)": lambda: DeviceStatsHook(100),
+        "OOMObserverHook": lambda: OOMObserverHook(root),
+        "NvtxHook (no-op ranges)": lambda: NvtxHook(NoRanges()),
+        "AnomalyProfilerHook (no anomaly)": lambda: AnomalyProfilerHook(
+            output_dir=root, max_profiles=1, slowdown=50.0, loss_jump=None
+        ),
+        "TimerHook(1 day)": lambda: TimerHook("01:00:00:00"),
+    }
+    variants = {"no hooks": variant()}
+    variants.update({name: variant(make) for name, make in hooks.items()})
+    variants["all five"] = variant(*hooks.values())
+    work = Workload(batch=args.batch or 512, width=args.width)
+
+    async def go() -> Rounds:
+        return await interleave(variants, work, args.rounds, args.seconds, "no hooks")
+
+    load = os.getloadavg()[0]
+    result = anyio.run(go, backend=args.backend)
+    print(
+        f"\n[monitors] MLP 64-{args.width}-{args.width}-1, batch {work.batch}, 1 torch thread; "
+        f"{args.backend}; {args.rounds} rounds x {args.seconds}s slices; {os.cpu_count()} CPUs, "
+        f"load average {load:.2f} at start"
+    )
+    report(result, "no hooks", args.seconds)
+    base = statistics.median(s.hook_us for s in result.slices["no hooks"])
+    step = statistics.median(s.train_us + s.hook_us for s in result.slices["no hooks"])
+    met = True
+    print(f"cost per step over no hooks' loop time ({base:.1f} us), of a {step:.0f} us step:")
+    for name in [*hooks, "all five"]:
+        cost = statistics.median(s.hook_us for s in result.slices[name]) - base
+        share = 100.0 * cost / step
+        ok = name == "all five" or share <= 1.0
+        met &= ok
+        print(f"  {name:40} {cost:7.1f} us  {share:5.2f} %{'' if ok else '  > 1 %'}")
+    for p in root.iterdir():
+        p.unlink()
+    root.rmdir()
+    print(f"target each hook <= 1 % of the step: {'met' if met else 'NOT met'}")
+    return met
+
+
 SECTIONS: dict[str, Section] = {
     "tracker": section_tracker,
     "tracker-job": section_tracker_job,
+    "monitors": section_monitors,
 }
 
 

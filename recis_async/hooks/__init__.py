@@ -9,7 +9,9 @@ from ..checkpoint import (
     restore_checkpoint,
 )
 from ..errors import NanLossError
+from .anomaly_profiler import AnomalyProfilerHook
 from .checkpoint import CheckpointSaverHook
+from .device_stats import DeviceStatsHook, OOMObserverHook
 from .early_stopping import EarlyStoppingHook
 from .global_step_waiter import GlobalStepWaiterHook
 from .hashtable_filter import HashTableFilterHook
@@ -19,15 +21,19 @@ from .logging_tensor import LoggingTensorHook
 from .metric_report import MetricReportHook, ReportArguments
 from .ml_tracker import MLTrackerHook
 from .nan import NanTensorHook
+from .nvtx import NvtxHook
 from .profiler import ProfilerHook
 from .progress import ProgressBarHook
 from .step_counter import StepCounterHook
 from .stop_at_step import StopAtStepHook
 from .summary import SummarySaverHook
+from .timer import TimerHook
 from .trace import TraceHook, TraceToOdpsHook
 
 __all__ = [
+    "AnomalyProfilerHook",
     "CheckpointSaverHook",
+    "DeviceStatsHook",
     "EarlyStoppingHook",
     "GlobalStepWaiterHook",
     "HashTableFilterHook",
@@ -38,12 +44,15 @@ __all__ = [
     "MetricReportHook",
     "NanLossError",
     "NanTensorHook",
+    "NvtxHook",
+    "OOMObserverHook",
     "ProfilerHook",
     "ProgressBarHook",
     "ReportArguments",
     "StepCounterHook",
     "StopAtStepHook",
     "SummarySaverHook",
+    "TimerHook",
     "TraceHook",
     "TraceToOdpsHook",
     "latest_checkpoint",

@@ -165,16 +165,19 @@ class ProfilerHook(Hook):
                 await self._jobs.put(job)
 
     async def _export(self, job: _Export) -> None:
-        tmp = job.path.with_name(f".{job.path.name}.{secrets.token_hex(4)}.tmp")
-
-        def write() -> None:
-            try:
-                job.profile.export_chrome_trace(str(tmp))
-                os.replace(tmp, job.path)
-            finally:
-                if tmp.exists():
-                    tmp.unlink()
-
-        await anyio.to_thread.run_sync(write)
+        await anyio.to_thread.run_sync(write_trace, job.profile, job.path)
         self.exported.append(job.path)
         log.info("ProfilerHook: wrote %s", job.path)
+
+
+def write_trace(profile: Any, path: Path) -> None:
+    """Export ``profile`` (a finished cycle's ``torch.autograd.profiler.profile``) to ``path``
+    as a Chrome trace, through a temporary name so no partial file is ever visible.  Blocking:
+    run it in a worker thread."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        profile.export_chrome_trace(str(tmp))
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
