@@ -88,7 +88,7 @@ def _wake_soon(event: anyio.Event) -> Callable[[], object]:
     if isinstance(native, asyncio.AbstractEventLoop):
         schedule: Callable[[Callable[[], object]], object] = native.call_soon_threadsafe
     else:  # trio's TrioToken
-        schedule = native.run_sync_soon
+        schedule = native.run_sync_soon  # type: ignore[attr-defined]
 
     def wake() -> None:
         try:
