@@ -390,16 +390,19 @@ class OdpsSink:
         from odps.tunnel import TableTunnel
 
         with self._lock:
-            if self._odps is None:
-                self._odps = ODPS(
-                    self._credentials.access_id,
-                    self._credentials.reveal(),
-                    project=self._project,
-                    endpoint=self._endpoint,
-                    tunnel_endpoint=self._tunnel_endpoint,
-                    overwrite_global=False,
-                )
             odps = self._odps
+        if odps is None:  # built outside the lock: pyodps may send a request here
+            odps = ODPS(
+                self._credentials.access_id,
+                self._credentials.reveal(),
+                project=self._project,
+                endpoint=self._endpoint,
+                tunnel_endpoint=self._tunnel_endpoint,
+                overwrite_global=False,
+            )
+            with self._lock:
+                self._odps = self._odps or odps
+                odps = self._odps
         _keep_answers(odps.rest)
         part_keys = [k for k, _ in self._partition]
         if not odps.exist_table(self._table):

@@ -109,7 +109,7 @@ async def test_start_gives_up_on_a_hung_service_within_the_timeout_naming_the_en
     server: OdpsServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     server.inject("any", "hang", FOREVER)
-    hook = trace_hook(server, tmp_path, timeout=1.0, retries=1, retry_backoff=0.1)
+    hook = trace_hook(server, tmp_path, timeout=2.0, retries=0)
     caplog.set_level(logging.WARNING, "recis_async.trace.service")
     with pytest.raises(HookError) as info:
         async with HookBus(flush_timeout=3) as bus:
@@ -118,9 +118,10 @@ async def test_start_gives_up_on_a_hung_service_within_the_timeout_naming_the_en
             await bus.publish(Start(is_train=True))
             waited = time.monotonic() - t0
             await publish_steps(bus, 0, 3)
-    assert waited < 1.0 + 2.0  # the sink's timeout, and some slack for a loaded machine
+    # the sink's timeout, and some slack for a loaded machine (pyodps imported already)
+    assert waited < 2.0 + 1.5
     (line,) = [r.getMessage() for r in caplog.records if "cannot open the sink yet" in r.message]
-    assert f"no answer from the ODPS service at {server.endpoint} within 1 s" in line
+    assert f"no answer from the ODPS service at {server.endpoint} within 2 s" in line
     assert TEST_SECRET not in line and TEST_ACCESS_ID not in line
     assert "no answer from the ODPS service" in str(info.value)
     # nothing reached the service; every row is in a spill file, and a replay delivers it once
@@ -309,8 +310,10 @@ config, backend, spill_dir = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
 steps, flush_timeout = int(sys.argv[4]), float(sys.argv[5])
 
 async def main():
+    # a batch a step; workers enough that no step waits for room while calls hang (a
+    # publish waiting for room is the bus's part, not what is measured here)
     hook = TraceHook(OdpsSink(config), ["id"], ["bigint"], size_threshold=32,
-                     spill_dir=spill_dir)
+                     spill_dir=spill_dir, worker_num=8)
     try:
         async with HookBus(flush_timeout=flush_timeout) as bus:
             bus.add_hook(hook)
@@ -324,9 +327,7 @@ async def main():
                 step += 1
                 if bus.should_stop:
                     break
-                await anyio.sleep(0.02)
-            while hook.writer.stats()["queued_batches"] and steps >= 0:
-                await anyio.sleep(0.05)
+                await anyio.sleep(0.1)
             print("closing", flush=True)
     finally:
         print(f"closed {time.monotonic()}", flush=True)
@@ -392,9 +393,9 @@ def test_the_process_exits_within_seconds_of_the_close_with_calls_still_hanging(
     assert status == 1  # the TraceDeliveryError, raised from the bus's close
     stderr = proc.stderr.read()  # type: ignore[union-attr]
     assert "TraceDeliveryError" in stderr
+    server.clear_faults()  # to read the table back
     delivered, spilled = delivered_ids(server), spilled_ids(tmp_path / "spill")
     assert sorted(delivered + spilled) == published_ids(4)  # once each
-    server.clear_faults()
     replay_all(tmp_path / "spill", server, tmp_path)
     assert delivered_ids(server) == published_ids(4)
 
@@ -421,9 +422,9 @@ def test_sigterm_while_the_service_hangs_spills_and_exits_143_within_the_deadlin
     assert proc.stdout is not None
     seen += proc.stdout.read().splitlines()
     last = max(int(line.split()[1]) for line in seen if line.startswith("step "))
+    server.clear_faults()  # to read the table back
     delivered, spilled = delivered_ids(server), spilled_ids(tmp_path / "spill")
     assert spilled, "the hung batches are in a spill file"
     assert sorted(delivered + spilled) == published_ids(last + 1)  # once each
-    server.clear_faults()
     replay_all(tmp_path / "spill", server, tmp_path)
     assert delivered_ids(server) == published_ids(last + 1)
