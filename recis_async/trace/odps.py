@@ -351,22 +351,14 @@ class OdpsSink:
                 f"{owner}(fields=...): expected at most {_MAX_COLUMNS} columns (MaxCompute's "
                 f"limit), got {len(fields)}"
             )
-        seen: dict[str, str] = {}
         part_keys = {k.lower() for k, _ in self._partition}
-        for field in fields:
+        for field in fields:  # (names equal but for case: refused by the hook's buffer)
             _check_name(f"{owner}(fields=...)", "column names", field)
-            if field.lower() in seen:
-                raise ValueError(
-                    f"{owner}(fields=...): expected names that differ other than in case "
-                    f"(MaxCompute's are case-insensitive), got {seen[field.lower()]!r} and "
-                    f"{field!r}"
-                )
             if field.lower() in part_keys:
                 raise ValueError(
                     f"{owner}(fields=...): expected no column named like a partition key, "
                     f"got {field!r} (partition {self.partition_spec})"
                 )
-            seen[field.lower()] = field
 
     # ------------------------------------------------------------------------------------
 
