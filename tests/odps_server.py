@@ -25,9 +25,12 @@ With ``defer_decoding=True`` (the benchmarks' mode, ``python tests/odps_server.p
 read, as a remote service's work would never land on the client's machine; tests keep the
 default, decoding on arrival, so a malformed block fails its PUT.
 
-Faults are injected with :meth:`OdpsServer.inject`: a 503, a connection reset before the
-request is handled, a permanent 4xx, or ``"lost"`` -- the request is fully processed (a
-commit succeeds) and then the connection is reset instead of answering.
+Faults are injected with :meth:`OdpsServer.inject`: a 503 or a 500, a connection reset
+before the request is handled, a permanent 4xx, ``"lost"`` -- the request is fully processed
+(a commit succeeds) and then the connection is reset instead of answering --, ``"hang"`` (the
+request is read and never answered, until the server stops), ``"trickle"`` (processed, then
+answered one byte a second), or ``"garbage"`` (a 200 whose body is binary noise).  ``times=``
+a large number makes a fault last (``FOREVER``).
 
 Requests are signed by pyodps; signatures are not verified and headers are never logged,
 so the server's log (``server.log_lines``) cannot contain a credential.
@@ -58,7 +61,7 @@ from odps.tunnel.io.stream import CompressOption, get_decompress_stream
 from odps.tunnel.io.types import odps_schema_to_arrow_schema
 from odps.tunnel.io.writer import BaseArrowWriter, BaseRecordWriter
 
-__all__ = ["OdpsServer", "Fault"]
+__all__ = ["FOREVER", "GARBAGE", "OdpsServer", "Fault"]
 
 API_PREFIX = "/api"
 
@@ -135,9 +138,12 @@ class Fault:
 
     ``op``: ``"create_upload"``, ``"reload_upload"``, ``"put_block"``, ``"commit"``,
     ``"create_download"``, ``"download_data"``, ``"table_meta"``, ``"instance"`` or ``"any"``.
-    ``action``: ``"503"``, ``"reset"`` (connection reset before handling), ``"4xx"``
-    (403 NoPermission, permanent), ``"lost"`` (handled, then the connection is reset
-    instead of answering), or ``"slow:<seconds>"`` (handled after a delay).  ``after``: let
+    ``action``: ``"503"``, ``"500"``, ``"reset"`` (connection reset before handling),
+    ``"4xx"`` (403 NoPermission, permanent), ``"lost"`` (handled, then the connection is
+    reset instead of answering), ``"slow:<seconds>"`` (handled after a delay), ``"hang"``
+    (read, never handled nor answered while the server runs), ``"trickle"`` /
+    ``"trickle:<seconds per byte>"`` (handled, then answered a byte at a time, one a second
+    by default), or ``"garbage"`` (not handled; a 200 with a binary body).  ``after``: let
     that many matching requests through first.  ``message``: text of the error response.
     """
 
@@ -148,6 +154,13 @@ class Fault:
     message: str = ""
     hits: int = 0
     seen: int = 0
+
+
+#: ``times=FOREVER``: the fault never runs out
+FOREVER = 10**9
+#: the body of a ``"garbage"`` answer: what a proxy's error page in another encoding, or a
+#: stray binary, looks like to a JSON parser
+GARBAGE = b"\x89\xff\xfe\x00garbage\x93\xc3(\xa0\xa1 not json"
 
 
 def _partition_spec(text: str | None) -> str:
@@ -211,6 +224,7 @@ class _State:
         self.faults: list[Fault] = []
         self.log_lines: list[str] = []
         self.counts: dict[str, int] = {}
+        self.stopped = threading.Event()  # ends every "hang" and "trickle" at stop()
 
     def take_fault(self, op: str) -> Fault | None:
         with self.lock:
@@ -441,6 +455,19 @@ class _Handler(BaseHTTPRequestHandler):
             state.log_lines.append(f"fault 403 {op}")
             self._send_error(403, "NoPermission", fault.message or "injected: permission denied")
             return
+        if fault is not None and fault.action == "500":
+            state.log_lines.append(f"fault 500 {op}")
+            self._send_error(500, "InternalServerError", fault.message or "injected: error")
+            return
+        if fault is not None and fault.action == "hang":
+            state.log_lines.append(f"fault hang {op}")
+            state.stopped.wait()
+            self.close_connection = True
+            return
+        if fault is not None and fault.action == "garbage":
+            state.log_lines.append(f"fault garbage {op}")
+            self._send(200, GARBAGE, "application/octet-stream")
+            return
         if fault is not None and fault.action.startswith("slow:"):
             time.sleep(float(fault.action.split(":", 1)[1]))
         try:
@@ -452,7 +479,29 @@ class _Handler(BaseHTTPRequestHandler):
             state.log_lines.append(f"fault lost response {op}")
             self._reset()
             return
+        if fault is not None and fault.action.startswith("trickle"):
+            state.log_lines.append(f"fault trickle {op}")
+            self._trickle(responder, float(fault.action.partition(":")[2] or 1.0))
+            return
         responder()
+
+    def _trickle(self, responder: Callable[[], None], interval: float) -> None:
+        """Send the answer ``responder`` writes one byte every ``interval`` seconds."""
+        out, self.wfile = self.wfile, io.BytesIO()
+        try:
+            responder()
+            answer = self.wfile.getvalue()  # type: ignore[attr-defined]
+        finally:
+            self.wfile = out
+        self.close_connection = True
+        for i in range(len(answer)):
+            if self.server.state.stopped.wait(interval):
+                return
+            try:
+                out.write(answer[i : i + 1])
+                out.flush()
+            except OSError:  # the client gave up
+                return
 
     def _classify(self, path: str, params: dict[str, str]) -> str:
         m = self.command
@@ -811,6 +860,7 @@ class OdpsServer:
         return self
 
     def stop(self) -> None:
+        self.state.stopped.set()
         self._server.shutdown()
         self._server.server_close()
         if self._thread is not None:

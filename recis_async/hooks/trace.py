@@ -34,6 +34,7 @@ from ..events import AfterLoadCheckpoint, AfterStep, Start
 from ..hook import Hook
 from ..trace.base import Sink
 from ..trace.buffer import ColumnBuffer
+from ..trace.odps import DEFAULT_TIMEOUT as DEFAULT_ODPS_TIMEOUT
 from ..trace.odps import OdpsSink
 from ..trace.service import DEFAULT_SEND_TIMEOUT, TraceWriter
 
@@ -275,6 +276,8 @@ class TraceToOdpsHook(TraceHook):
         worker_num: concurrent uploads.
         size_threshold: bytes buffered before a batch is uploaded.
         max_age: seconds after which a non-empty buffer is uploaded anyway.
+        timeout: seconds the service may take to answer one call (the open, each step of a
+            batch) before it counts as failed (:class:`~recis_async.sinks.OdpsSink`).
         kwargs: the other arguments of :class:`TraceHook`.
 
     Raises:
@@ -290,8 +293,16 @@ class TraceToOdpsHook(TraceHook):
         worker_num: int = 1,
         size_threshold: int = DEFAULT_SIZE_THRESHOLD,
         max_age: float | None = DEFAULT_MAX_AGE,
+        *,
+        timeout: float = DEFAULT_ODPS_TIMEOUT,
         **kwargs: Any,
     ) -> None:
         super().__init__(
-            OdpsSink(config), fields, types, worker_num, size_threshold, max_age, **kwargs
+            OdpsSink(config, timeout=timeout),
+            fields,
+            types,
+            worker_num,
+            size_threshold,
+            max_age,
+            **kwargs,
         )

@@ -42,6 +42,7 @@ from typing import Any, Protocol
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from .. import _threads
 from .._checks import (
     creatable_dir,
     non_negative_int,
@@ -495,7 +496,7 @@ class TraceWriter:
                     try:
                         await self._ensure_open(batch.fields, batch.types)
                         submitted = True
-                        await anyio.to_thread.run_sync(
+                        await _threads.run_sync(
                             _write, self.sink, batch, attempt, abandon_on_cancel=True
                         )
                     except SinkError as exc:
@@ -569,7 +570,7 @@ class TraceWriter:
         count the batch as delivered or put it aside with what is still in doubt."""
         token = attempt.abandon()
         if submitted and token is not None and not attempt.done.is_set():
-            await anyio.to_thread.run_sync(attempt.done.wait, self._commit_wait)
+            await _threads.run_sync(attempt.done.wait, self._commit_wait)
         if attempt.done.is_set() and attempt.delivered:
             self._delivered(batch)
             return
@@ -611,7 +612,7 @@ class TraceWriter:
             return
         async with self._open_lock:
             if not self._opened:
-                await anyio.to_thread.run_sync(self._open, fields, types, abandon_on_cancel=True)
+                await _threads.run_sync(self._open, fields, types, abandon_on_cancel=True)
 
     def _open(self, fields: tuple[str, ...], types: tuple[OdpsType, ...]) -> None:
         """Open the sink in a worker thread.  An open abandoned by the close ends after it: the
@@ -630,7 +631,7 @@ class TraceWriter:
         if not entries:
             return
         with anyio.CancelScope(shield=True):
-            path, errors = await anyio.to_thread.run_sync(self._write_spill, entries, reason)
+            path, errors = await _threads.run_sync(self._write_spill, entries, reason)
         batches = [e.batch for e in entries]
         rows = sum(b.rows for b in batches)
         record = _Spilled(path, len(entries), rows, _steps_of(batches), tuple(errors))
@@ -713,7 +714,7 @@ class TraceWriter:
                         self._sink_closed = True  # an open still running closes the sink itself
                     if self._opened:
                         try:
-                            await anyio.to_thread.run_sync(self.sink.close)
+                            await _threads.run_sync(self.sink.close)
                         except Exception as exc:
                             logger.warning("%s: closing the sink failed: %s", self.name, exc)
         lost = [r for r in self._spills if r.path is None]
