@@ -318,13 +318,13 @@ from recis_async.hooks import TraceHook
 from recis_async.sinks import OdpsSink
 
 config, backend, spill_dir = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
-steps, flush_timeout = int(sys.argv[4]), float(sys.argv[5])
+steps, flush_timeout, workers = int(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6])
 
 async def main():
-    # a batch a step; workers enough that no step waits for room while calls hang (a
-    # publish waiting for room is the bus's part, not what is measured here)
+    # a batch a step; with 8 workers no step waits for room while calls hang, with 1 the
+    # third step after the hang waits for room
     hook = TraceHook(OdpsSink(config), ["id"], ["bigint"], size_threshold=32,
-                     spill_dir=spill_dir, worker_num=8)
+                     spill_dir=spill_dir, worker_num=workers)
     try:
         async with HookBus(flush_timeout=flush_timeout) as bus:
             bus.add_hook(hook)
@@ -348,14 +348,19 @@ anyio.run(main, backend=backend)
 
 
 def start_child(
-    server: OdpsServer, tmp_path: Path, backend: str, steps: int, flush_timeout: float
+    server: OdpsServer,
+    tmp_path: Path,
+    backend: str,
+    steps: int,
+    flush_timeout: float,
+    workers: int = 8,
 ) -> subprocess.Popen[str]:
     script = tmp_path / "child.py"
     script.write_text(textwrap.dedent(_CHILD))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(
         [sys.executable, str(script), json.dumps(sink_config(server, "t", "dt=1")), backend]
-        + [str(tmp_path / "spill"), str(steps), str(flush_timeout)],
+        + [str(tmp_path / "spill"), str(steps), str(flush_timeout), str(workers)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -436,6 +441,39 @@ def test_sigterm_while_the_service_hangs_spills_and_exits_143_within_the_deadlin
     server.clear_faults()  # to read the table back
     delivered, spilled = delivered_ids(server), spilled_ids(tmp_path / "spill")
     assert spilled, "the hung batches are in a spill file"
+    assert sorted(delivered + spilled) == published_ids(last + 1)  # once each
+    replay_all(tmp_path / "spill", server, tmp_path)
+    assert delivered_ids(server) == published_ids(last + 1)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_sigterm_reaches_a_publish_waiting_for_room_while_the_service_hangs(
+    server: OdpsServer, tmp_path: Path, backend: str
+) -> None:
+    """One worker, the service hung: the step's publish waits for buffer room (up to
+    send_timeout, 60 s).  The scheduler's one SIGTERM ends that wait at once, the batches are
+    spilled, and the process exits 143 within the close deadline (it waited for SIGKILL)."""
+    proc = start_child(server, tmp_path, backend, steps=-1, flush_timeout=2.0, workers=1)
+    seen: list[str] = []
+    read_until(proc, "step 2", seen)
+    server.inject("any", "hang", FOREVER)
+    time.sleep(3.0)  # a batch hangs in the worker, one waits in the queue, the step waits
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        status = proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"{backend}: alive 30 s after SIGTERM")
+    took = time.monotonic() - t0
+    assert status == 143
+    assert took < 2.0 + 3.0, f"{backend}: exited {took:.1f} s after SIGTERM"
+    assert proc.stdout is not None and proc.stderr is not None
+    seen += proc.stdout.read().splitlines()
+    assert "a stop was requested while the sink had no room" in proc.stderr.read()
+    last = max(int(line.split()[1]) for line in seen if line.startswith("step "))
+    server.clear_faults()  # to read the table back
+    delivered, spilled = delivered_ids(server), spilled_ids(tmp_path / "spill")
     assert sorted(delivered + spilled) == published_ids(last + 1)  # once each
     replay_all(tmp_path / "spill", server, tmp_path)
     assert delivered_ids(server) == published_ids(last + 1)
