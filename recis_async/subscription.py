@@ -93,6 +93,7 @@ def filters(
     every_seconds: float | None = None,
     when: Callable[[Any], bool] | None = None,
     every_step: int | None = None,
+    first: bool = False,
 ) -> Filters | None:
     """Checked :class:`Filters`, or ``None`` when none is given (the subscriber is called for
     every occurrence, with no counting on the publish path).
@@ -103,8 +104,9 @@ def filters(
         TypeError: ``when`` not callable.
     """
     given = (every, once, every_seconds, when, every_step)
+    boolean(caller, "first", first)
     if all(value is None for value in given):
-        return None
+        return None  # first=True alone: every occurrence fires anyway
     _check(caller, every, once, every_seconds, when, every_step)
     return Filters(
         every=every,
@@ -112,6 +114,7 @@ def filters(
         every_seconds=None if every_seconds is None else float(every_seconds),
         when=when,
         every_step=every_step,
+        first=first,
     )
 
 
