@@ -19,6 +19,7 @@ from .logging_tensor import LoggingTensorHook
 from .metric_report import MetricReportHook, ReportArguments
 from .ml_tracker import MLTrackerHook
 from .nan import NanTensorHook
+from .optim import ClipGradNormHook, GradNormHook, LearningRateHook
 from .profiler import ProfilerHook
 from .progress import ProgressBarHook
 from .step_counter import StepCounterHook
@@ -28,10 +29,13 @@ from .trace import TraceHook, TraceToOdpsHook
 
 __all__ = [
     "CheckpointSaverHook",
+    "ClipGradNormHook",
     "EarlyStoppingHook",
     "GlobalStepWaiterHook",
+    "GradNormHook",
     "HashTableFilterHook",
     "HistorySaverHook",
+    "LearningRateHook",
     "LoggerHook",
     "LoggingTensorHook",
     "MLTrackerHook",

@@ -153,10 +153,13 @@ def _grad_norms(grads: list[torch.Tensor], p: float) -> list[torch.Tensor]:
     return out
 
 
+def _on(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """``tensors`` on ``device``: non-blocking copies of those elsewhere."""
+    return [t if t.device == device else t.to(device, non_blocking=True) for t in tensors]
+
+
 def _total(norms: list[torch.Tensor], p: float) -> torch.Tensor:
-    device = norms[0].device
-    same = [n if n.device == device else n.to(device, non_blocking=True) for n in norms]
-    return torch.linalg.vector_norm(torch.stack(same), p)
+    return torch.linalg.vector_norm(torch.stack(_on(norms, norms[0].device)), p)
 
 
 class _NormSums:
@@ -254,7 +257,7 @@ class GradNormHook(_WindowHook):
         total = _total(norms, self.norm_type)
         layers = None
         if self.per_layer:
-            layers = torch.stack([n.to(total.device, non_blocking=True) for n in norms])
+            layers = torch.stack(_on(norms, total.device))
             self._layer_names = [n for n, _ in named]
         self._sums.add(total, layers)
         return grads, total
@@ -346,9 +349,7 @@ class ClipGradNormHook(GradNormHook):
                 f"{owner}(max_norm=...): expected max_norm, clip_value or both, got neither"
             )
         self.max_norm = None if max_norm is None else _positive(owner, "max_norm", max_norm)
-        self.clip_value = (
-            None if clip_value is None else _positive(owner, "clip_value", clip_value)
-        )
+        self.clip_value = None if clip_value is None else _positive(owner, "clip_value", clip_value)
         self.error_if_nonfinite = boolean(owner, "error_if_nonfinite", error_if_nonfinite)
         self._clipped: torch.Tensor | None = None
 
