@@ -16,9 +16,10 @@ training step ``flops_step`` of this process (the first by default, slow anyway 
 one-time work), under ``torch.utils.flop_counter.FlopCounterMode`` (entered at its
 ``BeforeStep``, left at its ``AfterStep``): that step is slower, so it is left out of the
 window's timing.  Everything the thread runs in between counts, forward and backward (the
-optimizer's elementwise updates have no FLOPs in the counter's table).  The peak comes from a table of dense peaks by device
-and dtype (:func:`peak_flops`; float32 matmuls with TF32 allowed count at the TF32 peak), or
-from ``ReportArguments.peak_flops``, which wins; without either (a CPU) no ``mfu`` is reported.
+optimizer's elementwise updates have no FLOPs in the counter's table).  The peak comes from
+a table of dense peaks by device and dtype (:func:`peak_flops`; float32 matmuls with TF32
+allowed count at the TF32 peak), or from ``ReportArguments.peak_flops``, which wins; without
+either (a CPU) no ``mfu`` is reported.
 
 Timing is taken on the step: on the CPU a host clock read per event; on a GPU the window's time
 comes from CUDA events recorded on the current stream at its ends (never a synchronize: the
