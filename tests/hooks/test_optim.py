@@ -22,6 +22,7 @@ from recis_async.events import (
     BeforeStep,
 )
 from recis_async.hooks import ClipGradNormHook, GradNormHook, LearningRateHook, MLTrackerHook
+from recis_async.nn import HashTable
 from recis_async.trackers import JsonlTracker, read_records
 
 pytestmark = pytest.mark.anyio
@@ -285,3 +286,65 @@ def test_reprs() -> None:
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     assert repr(LearningRateHook(opt)) == "<LearningRateHook optimizers=[SGD] log_steps=100>"
     assert repr(LearningRateHook()) == "<LearningRateHook optimizers=[from events] log_steps=100>"
+
+
+class Ctr(torch.nn.Module):
+    """A hash table of ids (sparse gradients) feeding a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        init = lambda rows: torch.nn.init.normal_(rows, std=3.0)  # noqa: E731
+        self.table = HashTable(4, name="ids", sparse=True, capacity=64, initializer=init)
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        pred = self.head(self.table(batch["ids"])).squeeze(-1)
+        return torch.nn.functional.mse_loss(pred, batch["y"])
+
+
+def _ctr_batches(n: int) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(5)
+    return [
+        {"ids": torch.randint(0, 20, (6,), generator=gen), "y": torch.randn(6, generator=gen)}
+        for _ in range(n)
+    ]
+
+
+async def test_trainer_clips_the_hash_tables_sparse_gradients_once_per_update(
+    tmp_path: Path,
+) -> None:
+    """With the Trainer's gradient accumulation, ClipGradNormHook(dense, sparse, max_norm)
+    over a HashTable's sparse gradients gives the parameters of a hand-written loop calling
+    clip_grad_norm_ once per update (on the densified gradients)."""
+    reference = Ctr()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    norms = []
+    for g, batch in enumerate(_ctr_batches(6)):
+        (reference(batch) / 3).backward()
+        if (g + 1) % 3:
+            continue
+        grad = reference.table.weight.grad
+        reference.table.weight.grad = grad.to_dense()  # clip_grad_norm_ takes dense ones
+        norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)))
+        reference.table.weight.grad = reference.table.weight.grad.to_sparse()
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+    assert all(n > 1.0 for n in norms)  # every update is clipped
+
+    model = Ctr()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hook = ClipGradNormHook(model.head, [model.table.weight], 1.0, log_steps=6)
+    await Trainer(
+        model,
+        TrainingArguments(output_dir=str(tmp_path), save_steps=None, gradient_accumulation_steps=3),
+        train_dataset=_ctr_batches(6),
+        hooks=[hook],
+        dense_optimizers=(opt, None),
+    ).train()
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs)
+    assert hook.last_values is not None and hook.last_values[0] == 5
+    assert hook.last_values[1]["grad_norm"] == pytest.approx(sum(norms) / 2, rel=1e-5)
+    assert hook.last_values[1]["grad_norm_clipped"] == 2.0
