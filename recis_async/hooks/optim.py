@@ -15,9 +15,10 @@ not ride on ``AfterStep.tracked``: the window's values exist only once the bound
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import anyio.to_thread
@@ -62,7 +63,7 @@ async def send_to_trackers(
 
 class _Window(NamedTuple):
     step: int
-    values: dict[str, Any]  # floats, or device tensors read in the worker thread
+    values: Callable[[], dict[str, Any]]  # run in the worker thread: floats or tensors
 
 
 class _WindowHook(Hook):
@@ -85,8 +86,8 @@ class _WindowHook(Hook):
         self._jobs = JobQueue(f"{type(self).__name__}.report", self._report, on_error="log")
         bus.start_service(self._jobs)
 
-    async def _put(self, step: int, values: dict[str, Any]) -> None:
-        if values and self._jobs is not None:
+    async def _put(self, step: int, values: Callable[[], dict[str, Any]]) -> None:
+        if self._jobs is not None:
             await self._jobs.put(_Window(step, values))
 
     async def _report(self, window: _Window) -> None:
@@ -103,10 +104,10 @@ class _WindowHook(Hook):
         await send_to_trackers(self, self._bus, window.step, values, self.logger)
 
 
-def _read(values: dict[str, Any]) -> dict[str, float]:
+def _read(compute: Callable[[], dict[str, Any]]) -> dict[str, float]:
     """The window's values as floats (a worker thread: the one read of the device)."""
     out: dict[str, float] = {}
-    for key, value in values.items():
+    for key, value in compute().items():
         if isinstance(value, torch.Tensor):
             value = value.item()
         if isinstance(value, float | int) and not isinstance(value, bool):
@@ -163,31 +164,41 @@ def _total(norms: list[torch.Tensor], p: float) -> torch.Tensor:
 
 
 class _NormSums:
-    """A window's norms on their device: sum and max of the finite ones, counts."""
+    """A window's norms, kept as the device tensors they are: reduced (sum and max of the
+    finite ones, counts) once, at the window's end."""
 
-    __slots__ = ("count", "layers", "max", "nonfinite", "sum")
+    __slots__ = ("layers", "totals")
 
     def __init__(self) -> None:
-        self.sum: torch.Tensor | None = None
-        self.max: torch.Tensor | None = None
-        self.nonfinite: torch.Tensor | None = None
-        self.layers: torch.Tensor | None = None
-        self.count = 0
+        self.totals: list[torch.Tensor] = []
+        self.layers: list[torch.Tensor] = []
 
     def add(self, total: torch.Tensor, layers: torch.Tensor | None) -> None:
-        total = total.detach().float()
-        finite = torch.isfinite(total)
-        kept = torch.where(finite, total, torch.zeros_like(total))
-        if self.sum is None or self.max is None or self.nonfinite is None:
-            self.sum, self.max, self.nonfinite = kept, kept.clone(), (~finite).float()
-        else:
-            self.sum.add_(kept)
-            torch.maximum(self.max, kept, out=self.max)
-            self.nonfinite.add_(~finite)
+        self.totals.append(total.detach())
         if layers is not None:
-            layers = layers.detach().float()
-            self.layers = layers if self.layers is None else self.layers.add_(layers)
-        self.count += 1
+            self.layers.append(layers.detach())
+
+    def reduce(self, prefix: str, names: list[str], max_norm: float | None) -> dict[str, Any]:
+        """The window's values as device tensors (no read): mean and max of the finite
+        totals, how many were not finite, how many above ``max_norm``, each layer's mean."""
+        if not self.totals:
+            return {}
+        totals = torch.stack(_on(self.totals, self.totals[0].device)).float()
+        finite = torch.isfinite(totals)
+        kept = torch.where(finite, totals, torch.zeros_like(totals))
+        nonfinite = (~finite).sum().float()
+        values: dict[str, Any] = {
+            f"{prefix}grad_norm": kept.sum() / torch.clamp(len(self.totals) - nonfinite, min=1),
+            f"{prefix}grad_norm_max": kept.max(),
+            f"{prefix}grad_norm_nonfinite": nonfinite,
+        }
+        if max_norm is not None:
+            values[f"{prefix}grad_norm_clipped"] = (totals > max_norm).sum().float()
+        if self.layers:
+            layers = torch.stack(self.layers).float().mean(dim=0)
+            for name, norm in zip(names, layers, strict=False):
+                values[f"{prefix}grad_norm/{name}"] = norm
+        return values
 
 
 class GradNormHook(_WindowHook):
@@ -262,24 +273,13 @@ class GradNormHook(_WindowHook):
         self._sums.add(total, layers)
         return grads, total
 
-    def _window_values(self) -> dict[str, Any]:
-        sums, self._sums = self._sums, _NormSums()
-        if sums.sum is None or sums.max is None or sums.nonfinite is None:
-            return {}
-        p = self.prefix
-        finite = torch.clamp(sums.count - sums.nonfinite, min=1.0)
-        values: dict[str, Any] = {
-            f"{p}grad_norm": sums.sum / finite,
-            f"{p}grad_norm_max": sums.max,
-            f"{p}grad_norm_nonfinite": sums.nonfinite,
-        }
-        if sums.layers is not None:
-            for name, total in zip(self._layer_names, sums.layers / sums.count, strict=False):
-                values[f"{p}grad_norm/{name}"] = total
-        return values
-
     async def after_step(self, event: AfterStep) -> None:
-        await self._put(event.global_step, self._window_values())
+        sums, self._sums = self._sums, _NormSums()  # reduced in the worker thread
+        reduce = functools.partial(sums.reduce, self.prefix, self._layer_names, self._max_norm())
+        await self._put(event.global_step, reduce)
+
+    def _max_norm(self) -> float | None:
+        return None
 
     def __repr__(self) -> str:
         return (
@@ -351,7 +351,9 @@ class ClipGradNormHook(GradNormHook):
         self.max_norm = None if max_norm is None else _positive(owner, "max_norm", max_norm)
         self.clip_value = None if clip_value is None else _positive(owner, "clip_value", clip_value)
         self.error_if_nonfinite = boolean(owner, "error_if_nonfinite", error_if_nonfinite)
-        self._clipped: torch.Tensor | None = None
+
+    def _max_norm(self) -> float | None:
+        return self.max_norm
 
     def before_optimizer_step(self, event: BeforeOptimizerStep) -> None:
         grads, total = self._measure(event)
@@ -365,20 +367,11 @@ class ClipGradNormHook(GradNormHook):
         if self.max_norm is not None:
             # clip_grad_norm_'s arithmetic: the coefficient is clamped to 1, always applied
             coef = torch.clamp(self.max_norm / (total + 1e-6), max=1.0)
-            clipped = (total > self.max_norm).float()
-            self._clipped = clipped if self._clipped is None else self._clipped.add_(clipped)
             _scale(grads, coef)
         if self.clip_value is not None:
             for g in grads:
                 # a sparse gradient: its stored values (coalesced ones are the elements)
                 (g._values() if g.is_sparse else g).clamp_(-self.clip_value, self.clip_value)
-
-    def _window_values(self) -> dict[str, Any]:
-        values = super()._window_values()
-        clipped, self._clipped = self._clipped, None
-        if values and clipped is not None:
-            values[f"{self.prefix}grad_norm_clipped"] = clipped
-        return values
 
     def __repr__(self) -> str:
         return (
@@ -495,7 +488,8 @@ class LearningRateHook(_WindowHook):
         return values
 
     async def after_step(self, event: AfterStep) -> None:
-        await self._put(event.global_step, self.values())
+        values = self.values()
+        await self._put(event.global_step, lambda: values)
 
     def __repr__(self) -> str:
         given = ", ".join(type(o).__name__ for o in self.optimizers) or "from events"
