@@ -87,6 +87,7 @@ class CheckpointSaverHook(Hook):
 
     Args:
         output_dir: where ``checkpoint-<step>.pt`` files go (created if missing).
+        positional: refused (every other argument is keyword-only; see above).
         save_steps: save every this many completed training steps.
         save_secs: or: save at the first step this many seconds after the previous save.
         max_to_keep: keep the newest this many files; ``None`` keeps all.
@@ -99,7 +100,8 @@ class CheckpointSaverHook(Hook):
         reuse_buffers: keep a snapshot's host buffers for the next one.
 
     Raises:
-        TypeError: a ``model``, ``optimizer`` or ``lr_scheduler`` without
+        TypeError: an argument after ``output_dir`` given by position; a ``model``,
+            ``optimizer`` or ``lr_scheduler`` without
             ``state_dict``/``load_state_dict``, a count of the wrong type.
         ValueError: both ``save_steps`` and ``save_secs``, no save point at all, a count or
             timeout out of range, an unwritable ``output_dir``.

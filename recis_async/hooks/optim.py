@@ -311,11 +311,16 @@ class ClipGradNormHook(GradNormHook):
             normed over their values).
         max_norm: the largest total norm kept; ``None``: no norm clipping (``clip_value``).
         clip_value: clamp each gradient element to this magnitude; ``None``: no clamping.
-        norm_type, per_layer, log_steps, prefix, logger: as in :class:`GradNormHook`.
+        norm_type: the norm's order, as in :class:`GradNormHook`.
         error_if_nonfinite: raise on a non-finite total norm (a read per optimizer step).
+        per_layer: also report each parameter's norm.
+        log_steps: training steps per window.
+        prefix: prepended to the reported names.
+        logger: where the window's line goes.
 
     Raises:
         ValueError: neither ``max_norm`` nor ``clip_value``, or one that is not positive.
+        TypeError: a parameter that is not a tensor, an argument of the wrong type, named.
     """
 
     def __init__(
@@ -430,6 +435,10 @@ class LearningRateHook(_WindowHook):
         weight_decay: also report weight decay.
         prefix: prepended to the reported names.
         logger: where the window's line goes.
+
+    Raises:
+        TypeError: an optimizer without ``param_groups``, a flag that is not a bool.
+        ValueError: a ``log_steps`` below 1.
     """
 
     def __init__(
