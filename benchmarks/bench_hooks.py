@@ -49,6 +49,15 @@ registered in ``SECTIONS``:
     in us and as a share of the step.  Target (issue 24): each <= 1 % of the step.
 
     python benchmarks/bench_hooks.py --only monitors [--rounds 4] [--seconds 1.5]
+
+``optim``
+    The same MLP (batch 512: ~3 ms a step) with ``BeforeOptimizerStep`` / ``AfterOptimizerStep``
+    published around every optimizer step, in interleaved slices as in ``tracker``: no hooks;
+    ``ClipGradNormHook``; ``GradNormHook(per_layer=True)``; ``LearningRateHook``;
+    ``MetricReportHook`` with FLOPs and MFU.  "loop us" is what the publishes and the hook
+    cost the step.  Target (issue 24): each >= 0.99x no hooks.
+
+    python benchmarks/bench_hooks.py --only optim [--rounds 4] [--seconds 1.5]
 """
 
 from __future__ import annotations
@@ -71,7 +80,13 @@ import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from recis_async import HookBus, add_to_ml_tracker
-from recis_async.events import AfterData, AfterStep, BeforeStep
+from recis_async.events import (
+    AfterData,
+    AfterOptimizerStep,
+    AfterStep,
+    BeforeOptimizerStep,
+    BeforeStep,
+)
 
 Section = Callable[[argparse.Namespace], bool]
 
@@ -96,13 +111,21 @@ class Workload:
         self.y = torch.randn(batch, 1)
         self.batch = batch
         self.step_count = 0
+        self.optimizer_events = False  # publish Before/AfterOptimizerStep (section optim)
 
     def step(self) -> torch.Tensor:
+        loss = self.backward()
+        self.optimizer_step()
+        return loss
+
+    def backward(self) -> torch.Tensor:
         loss = torch.nn.functional.mse_loss(self.model(self.x), self.y)
         loss.backward()
+        return loss.detach()
+
+    def optimizer_step(self) -> None:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return loss.detach()
 
 
 class Session(NamedTuple):
@@ -136,8 +159,18 @@ async def train_for(bus: HookBus, work: Workload, seconds: float, session: Sessi
         await bus.publish(BeforeStep(global_step=step))
         await bus.publish(AfterData(global_step=step))
         t = time.perf_counter()
-        loss = work.step()
-        train += time.perf_counter() - t
+        if work.optimizer_events:
+            loss = work.backward()
+            train += time.perf_counter() - t
+            optimizers = (work.opt,)
+            await bus.publish(BeforeOptimizerStep(global_step=step, optimizers=optimizers))
+            t = time.perf_counter()
+            work.optimizer_step()
+            train += time.perf_counter() - t
+            await bus.publish(AfterOptimizerStep(global_step=step, optimizers=optimizers))
+        else:
+            loss = work.step()
+            train += time.perf_counter() - t
         session.on_step(step, loss)
         await bus.publish(AfterStep(global_step=step, samples=work.batch))
         work.step_count += 1
@@ -371,6 +404,73 @@ def section_tracker(args: argparse.Namespace) -> bool:
     name = "MLTrackerHook(MlflowTracker)"
     met = ratios[name] >= 0.99
     print(f"target {name} >= 0.99x no hooks: {ratios[name]:.3f}x {'met' if met else 'NOT met'}")
+    return met
+
+
+# --------------------------------------------------------------------------- optim
+
+
+def section_optim(args: argparse.Namespace) -> bool:
+    """The optimizer-step and report hooks of issue 24, each alone, against no hooks."""
+    from recis_async.hooks import (
+        ClipGradNormHook,
+        GradNormHook,
+        LearningRateHook,
+        MetricReportHook,
+        ReportArguments,
+    )
+
+    torch.set_num_threads(1)
+    logging.getLogger("recis_async").setLevel(logging.WARNING)
+    work = Workload(batch=args.batch or 512, width=args.width)
+    work.optimizer_events = True
+
+    def no_track(step: int, loss: torch.Tensor) -> None:
+        pass
+
+    async def nothing() -> None:
+        pass
+
+    def with_hooks(*make: Callable[[], Any]) -> Callable[[], Any]:
+        @contextlib.asynccontextmanager
+        async def session() -> AsyncIterator[Session]:
+            async with HookBus() as bus:
+                for m in make:
+                    bus.add_hook(m())
+                yield Session(bus, no_track, nothing, lambda: True)
+
+        return session
+
+    params = list(work.model.parameters())
+    variants = {
+        "no hooks": with_hooks(),
+        "ClipGradNormHook(max_norm=1, log_steps=100)": with_hooks(
+            lambda: ClipGradNormHook(params, None, 1.0)
+        ),
+        "GradNormHook(per_layer=True)": with_hooks(lambda: GradNormHook(params, per_layer=True)),
+        "LearningRateHook(momentum, weight_decay)": with_hooks(
+            lambda: LearningRateHook(work.opt, momentum=True, weight_decay=True)
+        ),
+        "MetricReportHook(FLOPs, MFU)": with_hooks(
+            lambda: MetricReportHook(work.model, ReportArguments(peak_flops=1e11, log=False))
+        ),
+    }
+    load = os.getloadavg()[0]
+
+    async def go() -> Rounds:
+        return await interleave(variants, work, args.rounds, args.seconds, "no hooks")
+
+    started = time.perf_counter()
+    result = anyio.run(go, backend=args.backend)
+    print(
+        f"\n[optim] MLP 64-{args.width}-{args.width}-1, batch {work.batch}, 1 torch thread, "
+        f"Before/AfterOptimizerStep published every step; {args.backend}; {args.rounds} rounds "
+        f"x {args.seconds}s slices; {os.cpu_count()} CPUs, load average {load:.2f} at start; "
+        f"{time.perf_counter() - started:.0f}s"
+    )
+    ratios = report(result, "no hooks", args.seconds)
+    met = all(r >= 0.99 for name, r in ratios.items() if name != "no hooks")
+    print(f"target: each hook >= 0.99x no hooks: {'met' if met else 'NOT met'}")
     return met
 
 
@@ -631,6 +731,7 @@ SECTIONS: dict[str, Section] = {
     "tracker": section_tracker,
     "tracker-job": section_tracker_job,
     "monitors": section_monitors,
+    "optim": section_optim,
 }
 
 

@@ -400,6 +400,7 @@ class HookBus:
         once: int | None = None,
         every_seconds: float | None = None,
         when: Callable[[E], bool] | None = None,
+        first: bool = False,
         on_error: OnError = "raise",
     ) -> Subscription:
         """Subscribe ``fn`` (sync or async) to ``event_type`` and its subclasses.
@@ -407,8 +408,10 @@ class HookBus:
         Filters count this subscriber's occurrences, 1-based: ``every=3`` fires on the 3rd,
         6th, ...; ``every_step=3`` on the steps completing a multiple of 3 counted on the
         event's ``global_step`` (the same steps after a resume); ``once=2`` only on the 2nd;
-        ``every_seconds`` at most once per interval (the first occurrence fires);
-        ``when(event)`` must return true.  All given must pass.
+        ``every_seconds`` at most once per interval (the first occurrence fires); ``when(event)``
+        must return true.  All given must pass.  ``first=True`` also fires on the first
+        occurrence whatever ``every`` / ``every_step`` say (TensorFlow's "first, then every
+        n-th").
         """
         if not (isinstance(event_type, type) and issubclass(event_type, Event)):
             raise TypeError(
@@ -421,7 +424,7 @@ class HookBus:
             fn,
             _callable_name(fn),
             priority_value(priority, field="subscribe(priority=...)"),
-            filters("subscribe", every, once, every_seconds, when, every_step),
+            filters("subscribe", every, once, every_seconds, when, every_step, first),
             check_on_error("subscribe", "on_error", on_error),
         )
 
@@ -435,6 +438,7 @@ class HookBus:
         once: int | None = None,
         every_seconds: float | None = None,
         when: Callable[[E], bool] | None = None,
+        first: bool = False,
         on_error: OnError = "raise",
     ) -> Callable[[F], F]:
         """Decorator form of :meth:`subscribe`; returns the function unchanged."""
@@ -449,6 +453,7 @@ class HookBus:
                 once=once,
                 every_seconds=every_seconds,
                 when=when,
+                first=first,
                 on_error=on_error,
             )
             return fn

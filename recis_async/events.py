@@ -29,7 +29,9 @@ __all__ = [
     "AfterStep",
     "AfterTrain",
     "AfterWindow",
+    "AfterOptimizerStep",
     "BeforeEpoch",
+    "BeforeOptimizerStep",
     "BeforeSaveCheckpoint",
     "BeforeStep",
     "BeforeWindow",
@@ -119,7 +121,53 @@ class AfterData(StepEvent, frozen=True, kw_only=True):
 
 
 class AfterBackward(StepEvent, frozen=True, kw_only=True):
-    """Gradients of the step are computed."""
+    """Gradients of the step are computed.
+
+    ``sync``: an optimizer step follows this micro-step (with gradient accumulation over
+    ``k`` micro-steps, only every ``k``-th backward is followed by one; the gradients of the
+    others are partial).  Hooks acting on final gradients subscribe to
+    :class:`BeforeOptimizerStep` instead.
+    """
+
+    sync: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.sync is not True and self.sync is not False:
+            raise _bad(self, "sync", "bool", self.sync)
+
+
+class BeforeOptimizerStep(StepEvent, frozen=True, kw_only=True):
+    """The gradients are final: accumulated over the micro-steps and, under AMP, unscaled
+    (``scaler.unscale_(optimizer)`` has run); clipping and ``optimizer.step()`` follow.
+
+    Published once per optimizer step.  ``optimizers``: the optimizers about to step;
+    ``scaler``: the ``torch.amp.GradScaler`` if any.  A loop of its own publishes it after
+    ``scaler.unscale_(optimizer)`` and before ``scaler.step(optimizer)``::
+
+        scaler.scale(loss).backward()
+        await bus.publish(AfterBackward(global_step=g, sync=True))
+        scaler.unscale_(optimizer)
+        await bus.publish(BeforeOptimizerStep(global_step=g, optimizers=(optimizer,),
+                                              scaler=scaler))
+        scaler.step(optimizer); scaler.update(); optimizer.zero_grad()
+        await bus.publish(AfterOptimizerStep(global_step=g, optimizers=(optimizer,),
+                                             scaler=scaler))
+
+    The objects are shared, not copied: a hook may change the gradients (clipping does),
+    nothing else.
+    """
+
+    optimizers: tuple[Any, ...] = ()
+    scaler: Any = None
+
+
+class AfterOptimizerStep(StepEvent, frozen=True, kw_only=True):
+    """``optimizer.step()`` (and the scaler's update, the LR scheduler's step) ran; fields
+    as in :class:`BeforeOptimizerStep`."""
+
+    optimizers: tuple[Any, ...] = ()
+    scaler: Any = None
 
 
 class AfterStep(StepEvent, frozen=True, kw_only=True):
@@ -430,6 +478,8 @@ LIFECYCLE: tuple[type[Event], ...] = (
     BeforeStep,
     AfterData,
     AfterBackward,
+    BeforeOptimizerStep,
+    AfterOptimizerStep,
     AfterStep,
     OutOfData,
     AfterTrain,

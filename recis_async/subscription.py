@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ._checks import positive_int, positive_number
+from ._checks import boolean, positive_int, positive_number
 from .errors import OnError
 from .events import Event
 from .priority import priority_label
@@ -29,9 +29,16 @@ class Filters(msgspec.Struct, frozen=True, kw_only=True):
     (then the subscription removes itself); ``every_seconds`` at most once per interval (the
     first occurrence fires).  ``every_step=n`` counts on the event's ``global_step`` instead
     (:class:`StepCadence`): it fires on the steps that complete ``n``, ``2n``, ... steps, so a
-    run resumed from a checkpoint fires at the same steps as one never interrupted.  Build
-    one with :func:`filters`, which checks the values; a hook declares them for its methods in
-    ``Hook.subscription_filters``.
+    run resumed from a checkpoint fires at the same steps as one never interrupted.
+    ``first=True`` also fires on the first occurrence the subscriber is called for, whatever
+    ``every`` / ``every_step`` say (TensorFlow's timers: the first step, then every ``n``-th).
+    The values are checked when a ``Filters`` is built (directly or by :func:`filters`); a
+    hook declares them for its methods in ``Hook.subscription_filters``.
+
+    Raises:
+        ValueError: ``every``/``once``/``every_step`` below 1, ``every_seconds`` not a
+            positive number.
+        TypeError: a count that is not an int, ``when`` not callable, ``first`` not a bool.
     """
 
     every: int | None = None
@@ -39,6 +46,11 @@ class Filters(msgspec.Struct, frozen=True, kw_only=True):
     every_seconds: float | None = None
     when: Callable[[Any], bool] | None = None
     every_step: int | None = None
+    first: bool = False
+
+    def __post_init__(self) -> None:
+        _check("Filters", self.every, self.once, self.every_seconds, self.when, self.every_step)
+        boolean("Filters", "first", self.first)
 
 
 class StepCadence:
@@ -81,6 +93,7 @@ def filters(
     every_seconds: float | None = None,
     when: Callable[[Any], bool] | None = None,
     every_step: int | None = None,
+    first: bool = False,
 ) -> Filters | None:
     """Checked :class:`Filters`, or ``None`` when none is given (the subscriber is called for
     every occurrence, with no counting on the publish path).
@@ -91,8 +104,28 @@ def filters(
         TypeError: ``when`` not callable.
     """
     given = (every, once, every_seconds, when, every_step)
+    boolean(caller, "first", first)
     if all(value is None for value in given):
-        return None
+        return None  # first=True alone: every occurrence fires anyway
+    _check(caller, every, once, every_seconds, when, every_step)
+    return Filters(
+        every=every,
+        once=once,
+        every_seconds=None if every_seconds is None else float(every_seconds),
+        when=when,
+        every_step=every_step,
+        first=first,
+    )
+
+
+def _check(
+    caller: str,
+    every: int | None,
+    once: int | None,
+    every_seconds: float | None,
+    when: Callable[[Any], bool] | None,
+    every_step: int | None,
+) -> None:
     if every is not None:
         positive_int(caller, "every", every)
     if every_step is not None:
@@ -100,12 +133,9 @@ def filters(
     if once is not None:
         positive_int(caller, "once", once)
     if every_seconds is not None:
-        every_seconds = positive_number(caller, "every_seconds", every_seconds)
+        positive_number(caller, "every_seconds", every_seconds)
     if when is not None and not callable(when):
         raise TypeError(f"{caller}(when=...): expected a callable, got {when!r}")
-    return Filters(
-        every=every, once=once, every_seconds=every_seconds, when=when, every_step=every_step
-    )
 
 
 class Subscription:
@@ -177,10 +207,12 @@ class Subscription:
             return False
         self.count += 1
         n = self.count
-        if f.every is not None and n % f.every:
-            return False
-        if self._cadence is not None and not self._cadence.due(event):
-            return False
+        due = self._cadence is None or self._cadence.due(event)  # counts every step
+        if not (f.first and n == 1):
+            if f.every is not None and n % f.every:
+                return False
+            if not due:
+                return False
         if f.once is not None:
             if n != f.once:
                 return False
@@ -206,6 +238,7 @@ class Subscription:
                 ("every_seconds", f.every_seconds),
                 ("when", getattr(f.when, "__name__", f.when)),
                 ("every_step", f.every_step),
+                ("first", f.first or None),
             )
             if v is not None
         ]

@@ -3,8 +3,15 @@
 ::
 
     Start -> [WindowMode] -> per epoch: BeforeEpoch -> per window: [BeforeWindow] ->
-      per step: BeforeStep -> AfterData -> AfterBackward -> AfterStep  (or BeforeStep -> OutOfData)
+      per step: BeforeStep -> AfterData -> AfterBackward
+                [-> BeforeOptimizerStep -> AfterOptimizerStep] -> AfterStep
+                (or BeforeStep -> OutOfData)
       -> AfterTrain -> [eval steps -> AfterEval] -> [AfterWindow] -> AfterEpoch ... -> End
+
+With ``gradient_accumulation_steps = k`` the optimizer steps after every ``k``-th backward
+(``AfterBackward.sync`` says which), and once more for gradients left when the data ends
+mid-accumulation (those two events then carry the last step's ``global_step``, before
+``AfterTrain``).
 
 The trainer owns ``global_step`` (0-based index of a step; after ``AfterStep`` ``global_step + 1``
 steps are done) and ``epoch``; hooks never advance them.  ``bus.should_stop`` is honoured at the
@@ -46,10 +53,12 @@ from .events import (
     AfterData,
     AfterEpoch,
     AfterEval,
+    AfterOptimizerStep,
     AfterStep,
     AfterTrain,
     AfterWindow,
     BeforeEpoch,
+    BeforeOptimizerStep,
     BeforeStep,
     BeforeWindow,
     OutOfData,
@@ -224,6 +233,7 @@ class Trainer:
         self.global_step = 0
         self.epoch = 0
         self._last_eval: dict[str, Any] = {}
+        self._last_at = _At(True, 0, 0, 0)  # the last training step: a leftover update's
         self._distributed = False  # set when a loop starts: the process group may come later
         self.logger_hook = LoggerHook(log_step=args.log_steps)
         self.data_position = DataPosition()  # saved in checkpoints under "Trainer"
@@ -450,7 +460,7 @@ class Trainer:
                 exhausted = await self._train_steps(bus, window, epoch, window_index, here)
                 if exhausted:
                     position.end_pass()
-                self._flush_accumulated()
+                await self._flush_accumulated(bus)
                 await bus.publish(
                     AfterTrain(is_train=True, global_step=self.global_step, epoch=epoch)
                 )
@@ -492,12 +502,14 @@ class Trainer:
                 await bus.publish(at(AfterData))
                 loss = _trainable(_loss_of(self.model(batch)))
                 (loss / accumulate if accumulate > 1 else loss).backward()
-                await bus.publish(at(AfterBackward))
-                if (self.global_step + 1) % accumulate == 0:
-                    self._optimizer_step()
+                sync = (self.global_step + 1) % accumulate == 0
+                await bus.publish(at(AfterBackward, sync=sync))
+                if sync:
+                    await self._optimizer_step(bus, at)
                 add_metric("loss", loss)
                 self.global_step += 1
                 local += 1
+                self._last_at = at
                 await bus.publish(at(AfterStep, samples=batch_size(batch)))
             except Exception:
                 await self._agree_failed(bus)
@@ -581,16 +593,21 @@ class Trainer:
             except Exception as exc:  # the original error matters more
                 logger.warning("rank %s could not announce its failure: %s", bus.rank, exc)
 
-    def _optimizer_step(self) -> None:
+    async def _optimizer_step(self, bus: HookBus, at: _At) -> None:
+        """``BeforeOptimizerStep`` (final gradients: clipping hooks act here), the step and
+        the LR scheduler's, ``AfterOptimizerStep``."""
+        optimizers = (self.optimizer,)
+        await bus.publish(at(BeforeOptimizerStep, optimizers=optimizers))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+        await bus.publish(at(AfterOptimizerStep, optimizers=optimizers))
 
-    def _flush_accumulated(self) -> None:
+    async def _flush_accumulated(self, bus: HookBus) -> None:
         """Apply gradients left over when the data ended mid-accumulation."""
         if self.global_step % self.args.gradient_accumulation_steps:
-            self._optimizer_step()
+            await self._optimizer_step(bus, self._last_at)
 
     async def _evaluate(self, bus: HookBus) -> dict[str, Any]:
         was_training = getattr(self.model, "training", False)

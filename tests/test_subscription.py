@@ -125,3 +125,42 @@ async def test_hook_filters_must_name_a_method_it_overrides() -> None:
             TypeError, match=r"subscription_filters\[.after_step.\]: expected a Filters"
         ):
             bus.add_hook(hook)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"every": 0}, ValueError, r"^Filters\(every=...\): expected a positive int, got 0$"),
+        ({"every_step": -2}, ValueError, r"^Filters\(every_step=...\): expected a positive int"),
+        ({"once": 1.0}, TypeError, r"^Filters\(once=...\): expected a positive int, got 1.0$"),
+        ({"every_seconds": 0}, ValueError, r"^Filters\(every_seconds=...\): expected a positive"),
+        ({"when": "yes"}, TypeError, r"^Filters\(when=...\): expected a callable"),
+        ({"first": 1}, TypeError, r"^Filters\(first=...\): expected a bool, got 1$"),
+    ],
+)
+def test_filters_built_directly_are_checked_when_built(
+    kwargs: dict[str, object], error: type[Exception], message: str
+) -> None:
+    """Before: Filters(every=0) was built and failed at the first publish, as a
+    ZeroDivisionError in Subscription.accepts."""
+    with pytest.raises(error, match=message):
+        Filters(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_first_then_every_nth_step() -> None:
+    """TensorFlow's timers: the first step seen, then the steps completing every n-th; a run
+    resumed at step 7 fires on its first step, then on the same cadence steps."""
+    fired: dict[str, list[int]] = {"fresh": [], "resumed": []}
+    for run, start in (("fresh", 0), ("resumed", 7)):
+        async with HookBus() as bus:
+            bus.subscribe(
+                AfterStep,
+                lambda e, run=run: fired[run].append(e.global_step),
+                every_step=3,
+                first=True,
+            )
+            for g in range(start, 12):
+                await bus.publish(AfterStep(global_step=g))
+    assert fired["fresh"] == [0, 2, 5, 8, 11]
+    assert fired["resumed"] == [7, 8, 11]

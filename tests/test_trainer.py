@@ -8,7 +8,13 @@ import torch
 from toy import Model, batches
 
 from recis_async import Hook, HookBus, Trainer, TrainingArguments
-from recis_async.events import AfterStep, Event, StepEvent
+from recis_async.events import (
+    AfterBackward,
+    AfterStep,
+    BeforeOptimizerStep,
+    Event,
+    StepEvent,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -46,7 +52,8 @@ def make(data: Any, rec: Recorder, eval_data: Any = None, **kwargs: Any) -> tupl
 
 def step(kind: str, g: int, l: int, e: int = 0) -> list[str]:
     suffix = "" if kind == "t" else "/e"
-    names = ["BeforeStep", "AfterData"] + (["AfterBackward"] if kind == "t" else []) + ["AfterStep"]
+    train = ["AfterBackward", "BeforeOptimizerStep", "AfterOptimizerStep"]
+    names = ["BeforeStep", "AfterData"] + (train if kind == "t" else []) + ["AfterStep"]
     return [f"{n}{suffix}({g},{l},{e})" for n in names]
 
 
@@ -102,7 +109,7 @@ async def test_train_and_evaluate_interleaves_and_never_mixes_metrics() -> None:
     leaky.hooks.append(Leaky())
     await leaky.train_and_evaluate()
     # train_steps=1 ends the epoch without OutOfData: the eval step follows the train step
-    assert leaky_rec.log[:7] == ["Start", "BeforeEpoch", *step("t", 0, 0), "AfterTrain"]
+    assert leaky_rec.log[:9] == ["Start", "BeforeEpoch", *step("t", 0, 0), "AfterTrain"]
     assert [s.metrics for s in leaky_rec.steps if not s.is_train] == [
         {"loss": pytest.approx(leaky_rec.steps[-1].metrics["loss"])}
     ]
@@ -192,6 +199,40 @@ async def test_gradient_accumulation_steps_the_optimizer_every_k() -> None:
     args = TrainingArguments(gradient_accumulation_steps=3, save_steps=None)
     await Trainer(model, args, train_dataset=batches(7), dense_optimizers=(opt, None)).train()
     assert len(updates) == 3  # after steps 3 and 6, plus the leftover of step 7
+
+
+async def test_gradient_accumulation_publishes_the_optimizer_events_of_each_update() -> None:
+    """AfterBackward.sync says which micro-steps an optimizer step follows; the two optimizer
+    events come once per update, carrying the optimizer, the leftover update before
+    AfterTrain; the gradients a BeforeOptimizerStep subscriber sees are the accumulated ones."""
+    rec = Recorder()
+    syncs: list[tuple[int, bool]] = []
+    seen: list[tuple[int, tuple[Any, ...], float]] = []
+    trainer, model = make(batches(5), rec, gradient_accumulation_steps=2)
+    opt = trainer.optimizer
+    async with HookBus() as bus:
+        bus.subscribe(AfterBackward, lambda e: syncs.append((e.global_step, e.sync)))
+        bus.subscribe(
+            BeforeOptimizerStep,
+            lambda e: seen.append(
+                (e.global_step, e.optimizers, float(model.linear.weight.grad.abs().sum()))
+            ),
+        )
+        trainer.bus = bus
+        await trainer.train()
+    assert syncs == [(0, False), (1, True), (2, False), (3, True), (4, False)]
+    assert [(g, o) for g, o, _ in seen] == [(1, (opt,)), (3, (opt,)), (4, (opt,))]
+    assert all(total > 0 for _, _, total in seen)
+    train_events = [e for e in rec.log if "Optimizer" in e or e == "AfterTrain"]
+    assert train_events == [
+        "BeforeOptimizerStep(1,1,0)",
+        "AfterOptimizerStep(1,1,0)",
+        "BeforeOptimizerStep(3,3,0)",
+        "AfterOptimizerStep(3,3,0)",
+        "BeforeOptimizerStep(4,4,0)",  # the leftover of step 4, after the data ran out
+        "AfterOptimizerStep(4,4,0)",
+        "AfterTrain",
+    ]
 
 
 async def test_trainer_uses_a_given_open_bus_and_end_once() -> None:

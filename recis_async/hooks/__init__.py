@@ -22,6 +22,7 @@ from .metric_report import MetricReportHook, ReportArguments
 from .ml_tracker import MLTrackerHook
 from .nan import NanTensorHook
 from .nvtx import NvtxHook
+from .optim import ClipGradNormHook, GradNormHook, LearningRateHook
 from .profiler import ProfilerHook
 from .progress import ProgressBarHook
 from .step_counter import StepCounterHook
@@ -33,11 +34,14 @@ from .trace import TraceHook, TraceToOdpsHook
 __all__ = [
     "AnomalyProfilerHook",
     "CheckpointSaverHook",
+    "ClipGradNormHook",
     "DeviceStatsHook",
     "EarlyStoppingHook",
     "GlobalStepWaiterHook",
+    "GradNormHook",
     "HashTableFilterHook",
     "HistorySaverHook",
+    "LearningRateHook",
     "LoggerHook",
     "LoggingTensorHook",
     "MLTrackerHook",

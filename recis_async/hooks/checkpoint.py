@@ -34,6 +34,7 @@ from ..events import AfterLoadCheckpoint, AfterStep, BeforeSaveCheckpoint, End
 from ..hook import Hook
 from ..priority import Priority
 from ..service import yield_to_services
+from ..subscription import StepCadence
 
 if TYPE_CHECKING:
     from ..bus import HookBus
@@ -80,8 +81,13 @@ class CheckpointSaverHook(Hook):
     directory: unfinished temporary files found there when the hook is added to a bus are
     removed (on rank 0).
 
+    Every argument after ``output_dir`` is keyword-only: ``CheckpointSaverHook(dir, 600)``,
+    ported from TensorFlow (where it means every 600 seconds), fails with a ``TypeError``
+    saying so instead of saving every 600 steps.
+
     Args:
         output_dir: where ``checkpoint-<step>.pt`` files go (created if missing).
+        positional: refused (every other argument is keyword-only; see above).
         save_steps: save every this many completed training steps.
         save_secs: or: save at the first step this many seconds after the previous save.
         max_to_keep: keep the newest this many files; ``None`` keeps all.
@@ -94,7 +100,8 @@ class CheckpointSaverHook(Hook):
         reuse_buffers: keep a snapshot's host buffers for the next one.
 
     Raises:
-        TypeError: a ``model``, ``optimizer`` or ``lr_scheduler`` without
+        TypeError: an argument after ``output_dir`` given by position; a ``model``,
+            ``optimizer`` or ``lr_scheduler`` without
             ``state_dict``/``load_state_dict``, a count of the wrong type.
         ValueError: both ``save_steps`` and ``save_secs``, no save point at all, a count or
             timeout out of range, an unwritable ``output_dir``.
@@ -105,11 +112,11 @@ class CheckpointSaverHook(Hook):
     def __init__(
         self,
         output_dir: str | os.PathLike[str],
+        *positional: Any,
         save_steps: int | None = None,
         save_secs: float | None = None,
         max_to_keep: int | None = 5,
         save_end: bool = True,
-        *,
         model: torch.nn.Module | None = None,
         optimizer: Any = None,
         lr_scheduler: Any = None,
@@ -118,6 +125,15 @@ class CheckpointSaverHook(Hook):
         barrier_timeout: float = 300.0,
     ) -> None:
         owner = type(self).__name__
+        if positional:
+            # TensorFlow's CheckpointSaverHook(dir, 600) means every 600 *seconds*; read here
+            # as steps it would save 600 times more rarely or often than meant: refuse it.
+            raise TypeError(
+                f"{owner}(output_dir, ...): expected every argument after output_dir by "
+                f"keyword (save_steps=N or save_secs=S), got {len(positional)} more "
+                f"positional: {', '.join(repr(a) for a in positional)} (TensorFlow's second "
+                "positional argument is save_secs)"
+            )
         positive_number(owner, "barrier_timeout", barrier_timeout)
         if save_steps is not None:
             positive_int(owner, "save_steps", save_steps)
@@ -163,6 +179,7 @@ class CheckpointSaverHook(Hook):
         self.barrier_timeout = float(barrier_timeout)
         self._bus: HookBus | None = None
         self._writer: CheckpointWriter | None = None
+        self._cadence = None if save_steps is None else StepCadence(save_steps)
         self._last_step: int | None = None  # completed steps at the latest training AfterStep
         self._last_saved: int | None = None
         self._last_time = 0.0
@@ -185,6 +202,8 @@ class CheckpointSaverHook(Hook):
         self._last_step = self._last_saved = None
         self._last_time = time.monotonic()
         self._prewarmed = False
+        if self.save_steps is not None:
+            self._cadence = StepCadence(self.save_steps)
         if bus.rank != 0:
             return  # other ranks only meet rank 0 at the barrier of each save
         remove_stale_temporaries(self.output_dir)
@@ -197,8 +216,8 @@ class CheckpointSaverHook(Hook):
         if not event.is_train:
             return
         step = self._last_step = event.global_step + 1
-        if self.save_steps is not None:
-            due = step % self.save_steps == 0
+        if self._cadence is not None:
+            due = self._cadence.due(event)
         elif self.save_secs is not None:
             due = time.monotonic() - self._last_time >= self.save_secs
         else:

@@ -696,3 +696,16 @@ async def test_the_save_at_end_is_announced_too(tmp_path: Path) -> None:
     ]
     # step 3's snapshot may have been superseded by step 4's before its write began
     assert [step for step, _ in list_checkpoints(tmp_path)][-1] == 4
+
+
+def test_a_tensorflow_style_positional_save_secs_is_refused(tmp_path: Path) -> None:
+    """TF's CheckpointSaverHook(dir, 600) means every 600 seconds; here it used to save every
+    600 steps.  Now every argument after output_dir is keyword-only, with a message."""
+    with pytest.raises(
+        TypeError,
+        match=r"CheckpointSaverHook\(output_dir, ...\): expected every argument after "
+        r"output_dir by keyword \(save_steps=N or save_secs=S\), got 1 more positional: 600 "
+        r"\(TensorFlow's second positional argument is save_secs\)",
+    ):
+        CheckpointSaverHook(tmp_path, 600, model=torch.nn.Linear(1, 1))
+    assert not any(tmp_path.iterdir())
