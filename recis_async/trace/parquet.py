@@ -165,6 +165,11 @@ class ParquetSink:
             names = os.listdir(directory)
             pattern = re.compile(rf"part-{rank}-(\d+)\.parquet\Z")
             taken = [int(m.group(1)) for p in names if (m := pattern.match(p))]
+            # An existing folder the process cannot write (permissions, a read-only mount) is
+            # found here, when the bus starts, not at the first batch minutes later.
+            probe = directory / f".probe-{rank}-{uuid.uuid4().hex}.tmp"
+            probe.touch(exist_ok=False)
+            probe.unlink()
         except OSError as exc:
             raise self._error(exc, f"cannot prepare {directory}") from None
         self._remove_leftovers(directory, names, rank)

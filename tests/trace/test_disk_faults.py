@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -25,11 +26,12 @@ import pyarrow.dataset as pads
 import pytest
 
 from recis_async import HookBus, HookError, add_to_trace
-from recis_async.errors import TraceDeliveryError
+from recis_async.errors import SinkError, TraceDeliveryError
 from recis_async.events import AfterStep, BeforeStep
 from recis_async.hooks import TraceHook
 from recis_async.sinks import ParquetSink
 from recis_async.spill import read_spill
+from recis_async.trace.buffer import ColumnBuffer
 
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = ["id", "emb"]
@@ -402,3 +404,30 @@ def test_file_size_limit_in_a_subprocess_reports_every_lost_row(
     assert spill_files(spill, tmp_path / "tmp" / "recis_async-spill") == []  # no 0-byte files
     assert f"File too large on {tmp_path / 'tmp' / 'recis_async-spill'}" in result["at_step"]
     assert not any(p.name.endswith(".tmp") for p in tmp_path.rglob("*"))
+
+
+def test_an_existing_table_folder_that_cannot_be_written_is_found_at_open(
+    tmp_path: Path,
+) -> None:
+    """A table folder left read-only (a read-only mount; for a user other than root, its
+    permissions) fails the open, when the bus starts, not the first batch minutes later."""
+    table = tmp_path / "root" / "t"
+    table.mkdir(parents=True)
+    if os.geteuid() == 0:  # root writes through permissions: a read-only mount instead
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(table)], capture_output=True
+        )
+        if done.returncode != 0:
+            pytest.skip(f"root, and cannot mount a read-only tmpfs: {done.stderr.decode()}")
+    else:
+        table.chmod(0o555)
+    buffer = ColumnBuffer(["id"], ["bigint"])
+    try:
+        with pytest.raises(SinkError, match=r"cannot prepare .*/root/t: .*(Read-only|denied)"):
+            ParquetSink(tmp_path / "root", "t", rank=0).open(buffer.fields, buffer.types)
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["umount", "-l", str(table)], check=False)
+        else:
+            table.chmod(0o755)
+    assert list(table.iterdir()) == []
