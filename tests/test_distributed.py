@@ -114,7 +114,11 @@ def test_every_ranks_traced_rows_arrive_exactly_once(tmp_path: Path) -> None:
     assert r0["steps"] == r1["steps"] == [[0, s] for s in range(12)]
     expected = sorted((r, s, i) for r in (0, 1) for s in range(12) for i in range(8))
 
-    assert sorted((x["rank"], x["step"], x["row"]) for x in odps_rows) == expected
+    spilled = sorted(p.name for p in (tmp_path / "spill").glob("*")) if (tmp_path / "spill").exists() else []
+    assert sorted((x["rank"], x["step"], x["row"]) for x in odps_rows) == expected, (
+        spilled,
+        proc.stderr[-3000:],
+    )
 
     folder = tmp_path / "parquet" / "dist_trace" / "dt=20261122"
     parquet_rows = []
