@@ -251,9 +251,12 @@ def _list_array(value: list[Any] | tuple[Any, ...]) -> np.ndarray:
 def _tensor_copy(caller: str, name: str, value: torch.Tensor) -> np.ndarray:
     """A numpy copy of any tensor: detached, on the CPU, conjugation and negation resolved."""
     _check_tensor(caller, name, value)
+    value = value.detach()
+    if value.dtype is torch.bfloat16:  # no numpy dtype: float32 holds every bfloat16 exactly
+        value = value.float()
     try:
-        return value.detach().numpy(force=True).copy()
-    except TypeError:  # no numpy dtype, e.g. bfloat16
+        return value.numpy(force=True).copy()
+    except TypeError:  # no numpy dtype (a float8 tensor, say)
         raise ValueError(
             f"{caller}({name!r}): expected a tensor of a numpy-compatible dtype, "
             f"got {value.dtype} (convert it first, e.g. .float())"

@@ -145,15 +145,21 @@ async def test_trace_tensors_of_every_kind_are_copied_as_their_values() -> None:
         add_to_trace("neg", negative)  # negative bit set: resolved
         add_to_trace("plain", plain)
         plain.add_(10)  # later in-place changes do not reach the trace
-        with pytest.raises(ValueError, match=r"add_to_trace\('bf'\): .*got torch.bfloat16"):
-            add_to_trace("bf", torch.ones(2, dtype=torch.bfloat16))
+        # bfloat16 (GPU training's dtype) has no numpy dtype: kept as float32, exactly
+        bf = torch.tensor([1.5, -0.0078125, 3.0e38], dtype=torch.bfloat16)
+        add_to_trace("bf", bf)
+        add_to_trace("half", torch.tensor([0.5, 65504.0], dtype=torch.float16))
+        with pytest.raises(ValueError, match=r"add_to_trace\(.f8.\): .*got torch.float8_e4m3fn"):
+            add_to_trace("f8", torch.ones(2, dtype=torch.float8_e4m3fn))
         await bus.publish(AfterStep())
     trace = seen[0].trace
     assert trace["w"].tolist() == [1.0, 2.0]
     assert trace["conj"].tolist() == [1 - 2j, 3 + 1j]
     assert trace["neg"].tolist() == [-2.0, 1.0]
     assert trace["plain"].tolist() == [5, 6]
-    assert "bf" not in trace
+    assert trace["bf"].dtype == np.float32 and trace["bf"].tolist() == bf.float().tolist()
+    assert trace["half"].tolist() == [0.5, 65504.0]
+    assert "f8" not in trace
 
 
 async def test_add_metric_refuses_what_is_not_a_number_tensor_or_array() -> None:

@@ -16,6 +16,7 @@ import anyio
 import numpy as np
 import pyarrow.dataset as pads
 import pytest
+import torch
 from odps_server import TEST_SECRET, OdpsServer, read_with_pyodps, sink_config
 from trace_data import ALL_FIELDS, ALL_TYPES, all_types_step, expected_row
 
@@ -594,3 +595,24 @@ async def test_a_run_resumed_after_a_crash_traces_each_step_once(tmp_path: Path)
     await _traced_run(tmp_path, range(5, 7), state=None, resume_at=5)  # another run
     table = pads.dataset(tmp_path / "t", format="parquet").to_table()
     assert Counter(table["step"].to_pylist())[5] == 4
+
+
+@pytest.mark.anyio
+async def test_bfloat16_and_float16_tensors_are_traced_exactly(tmp_path: Path) -> None:
+    """GPU training's dtypes: converted to the column's type, every value kept."""
+    bf = torch.tensor([1.5, -0.0078125, 3.0e38, float("nan")], dtype=torch.bfloat16)
+    half = torch.tensor([0.5, 65504.0, -2.0, 1e-3], dtype=torch.float16)
+    hook = TraceHook(
+        ParquetSink(tmp_path, "t", rank=0), ["bf", "half", "emb"], ["float", "double", "array<float>"]
+    )
+    async with HookBus() as bus:
+        bus.add_hook(hook)
+        await bus.publish(BeforeStep(global_step=0))
+        add_to_trace("bf", bf)
+        add_to_trace("half", half)
+        add_to_trace("emb", torch.stack([bf, bf]).T)
+        await bus.publish(AfterStep(global_step=0))
+    table = pads.dataset(tmp_path / "t", format="parquet").to_table()
+    np.testing.assert_array_equal(table["bf"].to_numpy(), bf.float().numpy())
+    np.testing.assert_array_equal(table["half"].to_numpy(), half.double().numpy())
+    assert table["emb"].to_pylist()[0] == [1.5, 1.5]
