@@ -207,9 +207,15 @@ def _after_fork_in_child() -> None:
     try:
         signal.set_wakeup_fd(-1)
         for s in _SIGNALS:
-            signal.signal(s, signal.SIG_IGN)
+            # a handler that does nothing, not SIG_IGN: an ignored signal stays ignored
+            # across exec, and a program a child starts must get the default back
+            signal.signal(s, _ignore)
     except ValueError:  # not the main thread of the main interpreter: nothing was inherited
         pass
+
+
+def _ignore(signum: int, frame: FrameType | None) -> None:
+    """The stop signals in a forked child: the parent decides when the job stops."""
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

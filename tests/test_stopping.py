@@ -96,3 +96,36 @@ def test_a_signal_still_pending_when_the_bus_closes_does_not_escape_as_an_error(
         )
         assert result.returncode == 128 + signal.SIGINT, (backend, result.stderr)
         assert "KeyboardInterrupt" not in result.stderr, (backend, result.stderr)
+
+
+@pytest.mark.anyio
+async def test_children_forked_while_a_bus_watches_ignore_stop_signals_but_programs_they_run_do_not(
+    tmp_path: Path,
+) -> None:
+    """A forked child (a DataLoader worker) shares the terminal's process group: it must not
+    stop on the Ctrl-C meant for the job, nor pass it to the parent's loop.  A program it
+    starts (fork + exec) gets the default dispositions back: an ignored signal would stay
+    ignored across exec."""
+    from recis_async import HookBus
+
+    async with HookBus():
+        pid = os.fork()
+        if pid == 0:  # the child: survives a SIGINT, then reports
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGTERM)
+                (tmp_path / "child").write_text("alive")
+            finally:
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert (tmp_path / "child").read_text() == "alive"
+        probe = (
+            "import signal; print(signal.getsignal(signal.SIGINT) == signal.SIG_IGN, "
+            "signal.getsignal(signal.SIGTERM) == signal.SIG_IGN)"
+        )
+        # preexec_fn makes subprocess run the at-fork handlers in the child, before exec
+        result = subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, preexec_fn=lambda: None
+        )
+    assert result.stdout.split() == ["False", "False"], result
