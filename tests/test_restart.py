@@ -12,13 +12,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 import torch
+from subprocess_support import wait_for
 
 from recis_async.checkpoint import list_checkpoints
 
@@ -42,19 +42,6 @@ def run(out: Path, *extra: str) -> subprocess.Popen[str]:
 def finish(proc: subprocess.Popen[str]) -> tuple[int, str, str]:
     stdout, stderr = proc.communicate(timeout=120)
     return proc.returncode, stdout, stderr
-
-
-def wait_for(proc: subprocess.Popen[str], prefix: str, timeout: float = 60) -> None:
-    assert proc.stdout is not None
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith(prefix):
-            return
-    proc.kill()
-    raise AssertionError(f"never printed {prefix!r}; stderr: {proc.communicate()[1]}")
 
 
 def rows(out: Path) -> list[dict[str, object]]:

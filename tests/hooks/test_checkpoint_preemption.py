@@ -8,11 +8,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from subprocess_support import wait_for
 
 from recis_async.hooks import list_checkpoints
 
@@ -28,19 +28,6 @@ def run(out: Path, *extra: str) -> subprocess.Popen[str]:
         text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
-
-
-def wait_for(proc: subprocess.Popen[str], prefix: str, timeout: float = 60) -> str:
-    assert proc.stdout is not None
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if line.startswith(prefix):
-            return line.strip()
-    proc.kill()
-    raise AssertionError(f"never printed {prefix!r}; stderr: {proc.communicate()[1]}")
 
 
 def history_steps(out: Path) -> list[int]:

@@ -28,6 +28,7 @@ from odps_server import (
     read_with_pyodps,
     sink_config,
 )
+from subprocess_support import wait_for
 
 from recis_async import HookBus, HookError, add_to_trace
 from recis_async.events import AfterStep, BeforeStep, Start
@@ -369,24 +370,6 @@ def start_child(
     )
 
 
-def read_until(
-    proc: subprocess.Popen[str], prefix: str, seen: list[str] | None = None, timeout: float = 60
-) -> str:
-    """Read the child's lines up to one starting with ``prefix`` (kept in ``seen``)."""
-    assert proc.stdout is not None
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if seen is not None:
-            seen.append(line.strip())
-        if line.startswith(prefix):
-            return line.strip()
-    proc.kill()
-    raise AssertionError(f"never printed {prefix!r}; stderr: {proc.stderr.read()}")  # type: ignore[union-attr]
-
-
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 @pytest.mark.parametrize("action", ["hang", "trickle"])
 def test_the_process_exits_within_seconds_of_the_close_with_calls_still_hanging(
@@ -396,9 +379,9 @@ def test_the_process_exits_within_seconds_of_the_close_with_calls_still_hanging(
     the close are given up on, their batches spilled, and the process ends at once -- not
     when the abandoned calls end."""
     proc = start_child(server, tmp_path, backend, steps=4, flush_timeout=1.0)
-    read_until(proc, "step 0")
+    wait_for(proc, "step 0")
     server.inject("put_block", action, FOREVER)
-    closed_at = float(read_until(proc, "closed").split()[1])
+    closed_at = float(wait_for(proc, "closed").split()[1])
     try:
         status = proc.wait(timeout=25)
     except subprocess.TimeoutExpired:
@@ -450,9 +433,9 @@ def test_sigterm_while_the_service_hangs_spills_and_exits_143_within_the_deadlin
 ) -> None:
     proc = start_child(server, tmp_path, backend, steps=-1, flush_timeout=2.0)
     seen: list[str] = []
-    read_until(proc, "step 2", seen)
+    wait_for(proc, "step 2", seen)
     server.inject("any", "hang", FOREVER)
-    read_until(proc, "step 4", seen)
+    wait_for(proc, "step 4", seen)
     sigterm_and_account(proc, seen, server, tmp_path, backend)
 
 
@@ -465,7 +448,7 @@ def test_sigterm_reaches_a_publish_waiting_for_room_while_the_service_hangs(
     spilled, and the process exits 143 within the close deadline (it waited for SIGKILL)."""
     proc = start_child(server, tmp_path, backend, steps=-1, flush_timeout=2.0, workers=1)
     seen: list[str] = []
-    read_until(proc, "step 2", seen)
+    wait_for(proc, "step 2", seen)
     server.inject("any", "hang", FOREVER)
     time.sleep(3.0)  # a batch hangs in the worker, one waits in the queue, the step waits
     stderr = sigterm_and_account(proc, seen, server, tmp_path, backend)
