@@ -169,9 +169,9 @@ def _check_metric_tensor(name: str, value: torch.Tensor) -> None:
     _check_tensor("add_metric", name, value)
     if value.dtype not in _METRIC_DTYPES:
         raise TypeError(
-            f"add_metric({name!r}): expected a tensor of a real numeric dtype (bool, int, "
-            f"float16, bfloat16, float32, float64), got {value.dtype} "
-            "(convert it first, e.g. .float())"
+            f"add_metric({name!r}): expected a number, tensor, numeric numpy array or list of "
+            f"numbers (a str or other array needs reduce='last' or a callable), got Tensor of "
+            f"dtype {value.dtype} (shape {tuple(value.shape)}; convert it first, e.g. .float())"
         )
 
 
