@@ -270,6 +270,10 @@ class MetricWindow:
             stat.count += 1
             stat.weight += weight
 
+    def peek(self) -> WindowSnapshot:
+        """The open window as it is now, left open (read it before the next :meth:`add`)."""
+        return WindowSnapshot(dict(self._stats), self._steps, self._samples)
+
     def take(self) -> WindowSnapshot:
         """The open window (to read off the step); a new one starts empty."""
         snapshot = WindowSnapshot(self._stats, self._steps, self._samples)
