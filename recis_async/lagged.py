@@ -107,6 +107,21 @@ class LaggedCopies:
             out.append(await self._resolve(self._pending.popleft()))
         return out
 
+    def due_now(self) -> list[Due] | None:
+        """:meth:`due` without waiting: ``None`` when a due value's copy is still in flight
+        (then ``await`` :meth:`due`)."""
+        limit = self._ticks - self.lag
+        for p in self._pending:
+            if p.tick > limit:
+                break
+            if p.event is not None and not p.event.query():
+                return None
+        out = []
+        while self._pending and self._pending[0].tick <= limit:
+            p = self._pending.popleft()
+            out.append(Due(p.step, p.array.copy(), p.source))
+        return out
+
     async def drain(self) -> list[Due]:
         """Every pending value, oldest first."""
         out = []

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Literal
-
-import functools
 
 import torch
 
@@ -105,20 +105,21 @@ class EarlyStoppingHook(Hook):
             )
         self._judge(event.metrics[self.monitor], event.global_step)
 
-    async def after_step(self, event: AfterStep) -> None:
+    def after_step(self, event: AfterStep) -> Awaitable[None] | None:
+        """Sync for numbers; a coroutine (the read handed to the worker) for a tensor."""
         if self.source == "step" and event.is_train and self.monitor in event.metrics:
             raw = event.metrics[self.monitor]
             step = event.global_step + 1
             if isinstance(raw, torch.Tensor):
                 if raw.numel() != 1:  # its shape says so: no read needed
                     self._judge(raw, step)
-                await self._reads.put(
+                return self._reads.put(
                     functools.partial(read_value, raw), functools.partial(self._judge_at, step)
                 )
-            elif self._reads.busy:  # after the values still being read
-                await self._reads.put(lambda: raw, functools.partial(self._judge_at, step))
-            else:
-                self._judge(raw, step)
+            if self._reads.busy:  # after the values still being read
+                return self._reads.put(lambda: raw, functools.partial(self._judge_at, step))
+            self._judge(raw, step)
+        return None
 
     def _judge_at(self, step: int, value: Any) -> None:
         self._judge(value, step)

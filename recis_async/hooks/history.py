@@ -6,6 +6,7 @@ import csv
 import math
 import os
 import uuid
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -144,7 +145,7 @@ class HistorySaverHook(Hook):
         self.path: str | None = None
         self._rows: list[_Row] = []
         self._window = MetricWindow(keep=("sum",))  # the open interval's loss x samples
-        self._carried = 0.0  # the open interval's sum restored from a checkpoint
+        self._carried = 0.0  # the open interval's host sum (numbers, a restored state)
         self._samples = 0
         self._last_step: int | None = None
         self._writer: JobQueue[_Op] | None = None
@@ -173,9 +174,10 @@ class HistorySaverHook(Hook):
         self._synced = False
         bus.start_service(self._writer)
 
-    async def after_step(self, event: AfterStep) -> None:
+    def after_step(self, event: AfterStep) -> Awaitable[None] | None:
+        """Sync on most steps; the interval's close is awaited (its row queued)."""
         if not event.is_train:
-            return
+            return None
         try:
             loss = event.metrics[self.loss_key]
         except KeyError:
@@ -184,14 +186,18 @@ class HistorySaverHook(Hook):
                 f"{self.loss_key!r} (got {sorted(event.metrics)}); record it with "
                 f"add_metric({self.loss_key!r}, loss) or pass loss_key="
             ) from None
+        samples = event.samples if event.samples > 0 else 1
         if type(loss) is not float:
             loss = self._checked(loss, event.global_step)
-        samples = event.samples if event.samples > 0 else 1
-        self._window.add({self.loss_key: loss}, samples)  # a tensor: summed on its device
+        if type(loss) is float:
+            self._carried += loss * samples
+        else:  # a tensor: summed on its device
+            self._window.add({self.loss_key: loss}, samples)
         self._samples += samples
         self._last_step = event.global_step + 1
         if self._last_step % self.every_n_step == 0:
-            await self._close_interval()
+            return self._close_interval()
+        return None
 
     def _checked(self, loss: Any, step: int) -> Any:
         """A one-element tensor as it is (read later), else the loss as a float."""

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
-from collections.abc import Iterable
-from typing import Any
-
-import functools
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -107,15 +105,16 @@ class LoggingTensorHook(Hook):
     def attach(self, bus: HookBus) -> None:
         self._reads.start(bus)
 
-    async def after_step(self, event: AfterStep) -> None:
+    def after_step(self, event: AfterStep) -> Awaitable[None] | None:
+        """Sync; a coroutine (the read handed to the worker) when a value is a tensor."""
         if not event.is_train:
-            return  # (with every_n_secs the bus's filter passes training steps only)
+            return None  # (with every_n_secs the bus's filter passes training steps only)
         now = time.monotonic()
         if self.every_n_iter is not None:
             # TensorFlow's rule (the first step, then every n-th) counted on the global step,
             # so a resumed run logs the same steps as an uninterrupted one
             if event.global_step % self.every_n_iter:
-                return
+                return None
         found: dict[str, Any] = {}
         for name in self.names:
             if name in event.metrics:
@@ -136,9 +135,9 @@ class LoggingTensorHook(Hook):
         self._last = now
         write = functools.partial(self._write, event.global_step, since)
         if self._reads.busy or not all(_plain(v) for v in found.values()):
-            await self._reads.put(functools.partial(read_values, found), write)
-        else:
-            write(found)
+            return self._reads.put(functools.partial(read_values, found), write)
+        write(found)
+        return None
 
     def _write(self, step: int, since: str, values: dict[str, Any]) -> None:
         parts = [

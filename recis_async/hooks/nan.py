@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -107,9 +108,10 @@ class NanTensorHook(Hook):
     def attach(self, bus: HookBus) -> None:
         self._bus = bus
 
-    async def after_step(self, event: AfterStep) -> None:
+    def after_step(self, event: AfterStep) -> Awaitable[None] | None:
+        """Sync on the common path (a coroutine only when a due flag's copy is not done)."""
         if not event.is_train:
-            return
+            return None
         try:
             value = event.metrics[self.loss_key]
         except KeyError:
@@ -129,20 +131,28 @@ class NanTensorHook(Hook):
                 flags.put(event.global_step, finite, source=value)
         elif not _finite(value):
             self._act(event.global_step, value, event.global_step)
-        if flags.pending:
-            await self._settle(await flags.due(), event.global_step)
+        if not flags.pending:
+            return None
+        due = flags.due_now()
+        if due is None:  # a copy still in flight: wait for it (polled, off the loop's back)
+            return self._settle_due(event.global_step)
+        self._settle(due, event.global_step)
+        return None
+
+    async def _settle_due(self, now: int) -> None:
+        self._settle(await self._flags.due(), now)
 
     async def before_save_checkpoint(self, event: BeforeSaveCheckpoint) -> None:
         """A checkpoint of a NaN model is never written: pending flags are settled first."""
-        await self._settle(await self._flags.drain(), event.global_step)
+        self._settle(await self._flags.drain(), event.global_step)
 
     async def after_train(self, event: AfterTrain) -> None:
-        await self._settle(await self._flags.drain(), event.global_step)
+        self._settle(await self._flags.drain(), event.global_step)
 
     async def end(self, event: End) -> None:
-        await self._settle(await self._flags.drain(), event.global_step)
+        self._settle(await self._flags.drain(), event.global_step)
 
-    async def _settle(self, due: list[Any], now: int | None) -> None:
+    def _settle(self, due: list[Any], now: int | None) -> None:
         for d in due:
             if not bool(d.value.all()):
                 self._act(d.step, read_value(d.source), now)  # read once: the failing step

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import numbers
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import IO, TYPE_CHECKING, Any
 
 import anyio.to_thread
@@ -115,32 +115,29 @@ class ProgressBarHook(Hook):
             )
             self._unroute = route_logging_through_bar(self._tqdm, self.file)
 
-    async def after_step(self, event: AfterStep) -> None:
+    def after_step(self, event: AfterStep) -> Awaitable[None] | None:
+        """Sync; a coroutine (the read handed to the worker) at a refresh with tensors."""
         bar = self._bar
         if not event.is_train or bar is None:
-            return
+            return None
         metrics = event.metrics
         names = metrics if self.metrics is None else self.metrics
-        postfix: dict[str, Any] = {}
-        tensors = False
-        for name in names:
-            value = metrics.get(name)
-            if isinstance(value, numbers.Real):
-                postfix[name] = value
-            elif isinstance(value, torch.Tensor) and value.numel() == 1:  # shape: no read
-                postfix[name] = value
-                tensors = True
-        if tensors:
-            self._latest = postfix
+        postfix = {
+            name: metrics[name] for name in names if isinstance(metrics.get(name), numbers.Real)
+        }
+        read = None
+        if len(postfix) < len(names) and _tensor_scalars(metrics, names, postfix):
+            self._latest = postfix  # numbers and device values: read at the next refresh
             now = time.monotonic()
             if now >= self._next_read and not self._reads.busy:
                 self._next_read = now + self.mininterval
                 self._latest = {}
-                await self._reads.put(functools.partial(read_values, postfix), self._show)
+                read = self._reads.put(functools.partial(read_values, postfix), self._show)
         elif postfix:
             self._latest = {}
             bar.set_postfix(postfix, refresh=False)
         bar.update(1)
+        return read
 
     def _show(self, values: Mapping[str, Any]) -> None:
         """Values read off the step: the postfix of the next redraw."""
@@ -162,3 +159,15 @@ class ProgressBarHook(Hook):
 
     def __repr__(self) -> str:
         return f"<ProgressBarHook total={self.total}>"
+
+
+def _tensor_scalars(metrics: Mapping[str, Any], names: Iterable[str], into: dict[str, Any]) -> bool:
+    """Add the one-element tensors among ``names`` to ``into`` (their shape says so: no read);
+    whether there were any."""
+    found = False
+    for name in names:
+        value = metrics.get(name)
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            into[name] = value
+            found = True
+    return found

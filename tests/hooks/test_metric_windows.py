@@ -38,7 +38,7 @@ from recis_async.hooks import (
 
 pytestmark = pytest.mark.anyio
 
-LOSSES = [0.5 + 0.01 * g for g in range(12)]  # exact in float32? compared with approx
+LOSSES = [0.5 + 0.01 * g for g in range(12)]  # recorded as float32: compared as f32(x)
 
 
 async def run(
@@ -223,7 +223,8 @@ async def test_logging_tensor_hook_line_from_tensor_values(
             reads = await run(bus, counter, LOSSES)
     assert reads == [0] * len(LOSSES), counter.reads
     lines = [r.getMessage() for r in caplog.records]
-    assert [line.split()[0] for line in lines] == ["global_step=0", "global_step=5", "global_step=10"]
+    steps = [line.split()[0] for line in lines]
+    assert steps == ["global_step=0", "global_step=5", "global_step=10"]
     assert f"loss = {f32(LOSSES[5]):.6g}, pair = [" in lines[1]
 
 
