@@ -11,8 +11,11 @@ Each ``AfterStep`` of the pass contributes its ``metrics``; a metric is combined
 - a callable: given every step's value as a 1-D numpy array (2-D for array metrics), in step
   order, returning the result (``numpy.median``, ``lambda v: numpy.percentile(v, 99)``).
 
-Numbers and numeric arrays (combined element-wise) are aggregated; any other value (a string,
-say) needs ``"last"`` and is otherwise left out, with a warning naming it once per pass.
+Numbers, numeric arrays and tensors (combined element-wise) are aggregated; any other value (a
+string, say) needs ``"last"`` and is otherwise left out, with a warning naming it once per
+pass.  A tensor is combined on its device (``window.py``: a kernel per step, no read) and the
+pass's result is read once, at its end: :meth:`MetricAggregator.compute_all_ranks` reads in a
+worker thread, :meth:`MetricAggregator.compute` where it is called.
 In a distributed run :meth:`MetricAggregator.compute_all_ranks` combines every rank's partial
 results the same way (means weighted by every rank's samples; callables see the values of
 rank 0, then rank 1, ...; ``"last"`` takes the highest rank's), so every rank gets the same
@@ -29,9 +32,11 @@ from typing import Any, Literal, TypeAlias
 
 import anyio.to_thread
 import numpy as np
+import torch
 
 from . import dist
 from .events import AfterStep
+from .window import larger, plus, read_value, scaled, smaller
 
 __all__ = ["REDUCTIONS", "MetricAggregator", "Reduction", "check_reduction"]
 
@@ -65,8 +70,10 @@ def _same(a: Reduction, b: Reduction) -> bool:
 
 
 def _numeric(value: Any) -> Any:
-    """``value`` as an int (sums of counts stay ints), float or float array, or ``None`` when
-    it is not numeric."""
+    """``value`` as an int (sums of counts stay ints), float, float array or tensor (left on
+    its device), or ``None`` when it is not numeric."""
+    if isinstance(value, torch.Tensor):
+        return value
     if isinstance(value, numbers.Integral):  # bool, int, numpy integers
         return int(value)
     if isinstance(value, numbers.Real):
@@ -110,16 +117,16 @@ class _Acc:
             if kind == "callable":
                 self.values.append(number)
             elif self.count == 0:
-                self.value = number * weight if kind == "mean" else number
+                self.value = scaled(number, weight) if kind == "mean" else number
             elif kind == "mean":
-                self.value = self.value + number * weight
+                self.value = plus(self.value, scaled(number, weight))
             elif kind == "sum":
-                self.value = self.value + number
+                self.value = plus(self.value, number)
             elif kind == "max":
-                self.value = np.maximum(self.value, number)
+                self.value = larger(self.value, number)
             else:
-                self.value = np.minimum(self.value, number)
-        except ValueError as exc:  # arrays of different shapes
+                self.value = smaller(self.value, number)
+        except (ValueError, RuntimeError) as exc:  # arrays / tensors of different shapes
             raise ValueError(
                 f"metric {name!r}: cannot combine {value!r} with the earlier steps: {exc}"
             ) from None
@@ -127,11 +134,19 @@ class _Acc:
         self.count += 1
         return True
 
+    def read(self) -> None:
+        """Bring device values to the host (blocking: the one read of the pass)."""
+        self.value = read_value(self.value)
+        if any(isinstance(v, torch.Tensor) for v in self.values):
+            self.values = [read_value(v) for v in self.values]
+
     def partial(self) -> tuple[Any, ...]:
-        """What this rank contributes to the all-rank result (picklable: no callables)."""
+        """What this rank contributes to the all-rank result (picklable: no callables), once
+        :meth:`read`."""
         return (_kind(self.reduce), self.count, self.weight, self.value, self.values)
 
     def result(self) -> Any:
+        self.read()
         kind = _kind(self.reduce)
         if kind == "mean":
             return _plain(self.value / self.weight)
@@ -154,7 +169,9 @@ class MetricAggregator:
         await bus.publish(AfterEval(global_step=step, steps=agg.steps, metrics=metrics))
 
     ``update`` raises ``ValueError`` naming the metric when a step asks for another reduction
-    than the earlier steps of the pass did.
+    than the earlier steps of the pass did.  It never reads a tensor: device values are
+    combined on their device and read once, by :meth:`compute_all_ranks` (in a worker thread)
+    or :meth:`compute` (where it is called: the end of the pass).
     """
 
     def __init__(self) -> None:
@@ -195,14 +212,21 @@ class MetricAggregator:
                 )
 
     def compute(self) -> dict[str, Any]:
-        """The result of the steps seen by this process."""
+        """The result of the steps seen by this process (reads device values here)."""
         return {name: acc.result() for name, acc in self._accs.items() if acc.count}
+
+    def read(self) -> None:
+        """Bring every device value to the host (blocking; :meth:`compute_all_ranks` runs it
+        in a worker thread)."""
+        for acc in self._accs.values():
+            acc.read()
 
     async def compute_all_ranks(self, *, timeout: float = dist.DEFAULT_TIMEOUT) -> dict[str, Any]:
         """The result over every rank's steps (a collective: every rank must call it); the
         same as :meth:`compute` without a process group of more than one rank.  The exchange
         runs in a worker thread and fails with ``TimeoutError`` naming this rank after
         ``timeout`` seconds."""
+        await anyio.to_thread.run_sync(self.read)  # the pass's one wait on the device
         if not (dist.is_initialized() and dist.get_world_size() > 1):
             return self.compute()
         mine = {name: acc.partial() for name, acc in self._accs.items() if acc.count}

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .aggregate import Reduction, check_reduction
+from .events import _METRIC_DTYPES
 
 __all__ = [
     "StepCollector",
@@ -126,10 +127,17 @@ def _check_tensor(caller: str, name: str, value: torch.Tensor) -> None:
 
 
 def add_metric(name: str, value: Any, reduce: Reduction = "mean") -> None:
-    """Record a metric for the current step (``AfterStep.metrics``): a number, a tensor or
-    numpy array (one element: a number; more: a numpy copy) or a list of numbers.  Other
-    plain values (a str, a non-numeric array) only with ``reduce="last"`` or a callable,
-    which can combine them; anything else is refused here, naming the metric and the type.
+    """Record a metric for the current step (``AfterStep.metrics``): a number, a tensor, a
+    numeric numpy array or a list of numbers.  Other plain values (a str, a non-numeric array)
+    only with ``reduce="last"`` or a callable, which can combine them; anything else is
+    refused here, naming the metric and the type.
+
+    A tensor is kept as ``value.detach().clone()`` on its own device, of any shape and numeric
+    dtype (``bfloat16``/``float16`` included): a device copy, never a read of its value, so
+    later in-place updates do not leak and the step does not wait for the device.  Hooks
+    accumulate it on its device and read it once per window, off the step (float32 for the
+    half-precision types; one element as a number, more as a numpy array).  Numbers, numpy
+    arrays and lists are kept on the host as before.
 
     ``reduce`` says how the values of an evaluation pass combine into ``AfterEval.metrics``
     (Lightning's ``reduce_fx``): ``"mean"`` (weighted by ``AfterStep.samples``), ``"sum"``,
@@ -141,7 +149,13 @@ def add_metric(name: str, value: Any, reduce: Reduction = "mean") -> None:
         _check_name("add_metric", name)
     if reduce != "mean":
         reduce = check_reduction(f"add_metric({name!r}, reduce=...)", reduce)
-    if type(value) is not float and type(value) is not int:  # the common case, kept cheap
+    if type(value) is torch.Tensor:  # the common case on a GPU: a device copy, no read
+        if value.is_meta or value.is_nested or value.layout is not torch.strided:
+            _check_metric_tensor(name, value)
+        elif value.dtype not in _METRIC_DTYPES:
+            _check_metric_tensor(name, value)
+        value = value.detach().clone()
+    elif type(value) is not float and type(value) is not int:  # the common case, kept cheap
         value = _metric_value(name, value, reduce)
     collector.metrics[name] = value
     if reduce != "mean":
@@ -150,7 +164,21 @@ def add_metric(name: str, value: Any, reduce: Reduction = "mean") -> None:
         collector.reduce.pop(name, None)
 
 
+def _check_metric_tensor(name: str, value: torch.Tensor) -> None:
+    """A tensor ``add_metric`` cannot keep: named at the call (no value is read)."""
+    _check_tensor("add_metric", name, value)
+    if value.dtype not in _METRIC_DTYPES:
+        raise TypeError(
+            f"add_metric({name!r}): expected a number, tensor, numeric numpy array or list of "
+            f"numbers (a str or other array needs reduce='last' or a callable), got Tensor of "
+            f"dtype {value.dtype} (shape {tuple(value.shape)}; convert it first, e.g. .float())"
+        )
+
+
 def _metric_value(name: str, value: Any, reduce: Reduction) -> Any:
+    if isinstance(value, torch.Tensor):  # a subclass (a Parameter, say): kept as its data
+        _check_metric_tensor(name, value)
+        return value.detach().clone().as_subclass(torch.Tensor)
     converted = value
     if isinstance(value, list | tuple):
         try:

@@ -24,8 +24,10 @@ event                       RecIS call
 ``End``                     ``end(is_train=...)`` with the ``is_train`` of the last ``Start``
 ==========================  ==========================================================
 
-``metrics`` is a fresh dict per call: the step's metrics with arrays as CPU tensors, plus
-``epoch`` on training steps (RecIS's ``Trainer`` adds it).  ``global_step`` is a 0-d int64
+``metrics`` is a fresh dict per call: the step's metrics with arrays as CPU tensors and
+tensors as recorded, on their device and unread (as RecIS's ``Trainer`` passed its loss: a hook
+that reads one at its own log steps waits for the device only there), plus ``epoch`` on training
+steps (RecIS's ``Trainer`` adds it).  ``global_step`` is a 0-d int64
 tensor holding the step's 0-based index -- what hooks given to RecIS's ``Trainer(hooks=...)``
 see, since RecIS's checkpoint hook advances the counter after them; hooks added there later
 with ``trainer.add_hook`` ran after it and saw one more.  The batch (``data``) and the model's

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Final, Literal, get_args
 
 import msgspec
 import numpy as np
+import torch
 
 __all__ = [
     "LIFECYCLE",
@@ -176,7 +177,9 @@ class AfterStep(StepEvent, frozen=True, kw_only=True):
     ``metrics``, ``trace`` and ``tracked`` are filled by the bus from the step collectors
     (:func:`~recis_async.add_metric` and friends) merged with what the publisher passed;
     ``samples`` is the batch size, so throughput is samples/s.  ``metrics`` values are
-    numbers, str, lists or numpy arrays (no tensors); ``tracked`` values numbers or lists;
+    numbers, str, lists, numpy arrays or dense numeric tensors on any device (kept there:
+    hooks accumulate them on the device and read them once per window, off the step, never
+    on an ordinary step); ``tracked`` values numbers or lists;
     ``trace`` values arrays or lists of one entry per row (checked against the table by the
     trace hooks).  ``reduce`` maps a metric to how an evaluation pass combines it
     (``add_metric(..., reduce=...)``); metrics not named there are averaged, weighted by
@@ -214,6 +217,8 @@ class AfterStep(StepEvent, frozen=True, kw_only=True):
         elif v:
             for k, x in v.items():
                 if type(k) is not str or (type(x) is not float and type(x) is not int):
+                    if type(k) is str and type(x) is torch.Tensor and _is_metric_tensor(x):
+                        continue  # a device value, read off the step by the hooks
                     _check_values(self, "metrics", v, _is_metric, _METRIC)
                     break
         v = self.trace
@@ -261,7 +266,7 @@ class AfterEval(Event, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         _validate(self, Event)
         if not _metrics_ok(self.metrics):
-            _check_values(self, "metrics", self.metrics, _is_metric, _METRIC)
+            _check_values(self, "metrics", self.metrics, _is_plain_metric, _PLAIN_METRIC)
 
 
 class AfterWindow(Event, frozen=True, kw_only=True):
@@ -320,16 +325,50 @@ def _bad(event: object, field: str, expected: str, value: object) -> Exception:
     )
 
 
-_METRIC = "a dict of str -> number, str, list or numpy array"
+_METRIC = "a dict of str -> number, str, list, numpy array or dense numeric tensor"
+_PLAIN_METRIC = "a dict of str -> number, str, list or numpy array (values read already)"
 _TRACE = "a dict of str -> numpy array or list (one entry per row)"
 _TRACKED = "a dict of str -> number or list"
 _REDUCE = "a dict of str -> 'mean', 'sum', 'max', 'min', 'last' or a callable"
 
 
-def _is_metric(value: object) -> bool:
-    # plain values only: tensors go through add_metric, which converts them; whether a
-    # value suits its reduction is add_metric's and the aggregator's concern
+def _is_plain_metric(value: object) -> bool:
+    # whether a value suits its reduction is add_metric's and the aggregator's concern
     return isinstance(value, int | float | str | list | tuple | np.ndarray | np.generic)
+
+
+def _is_metric(value: object) -> bool:
+    if isinstance(value, torch.Tensor):
+        return _is_metric_tensor(value)
+    return _is_plain_metric(value)
+
+
+_METRIC_DTYPES: Final = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+    }
+)
+"""Tensor dtypes a metric may have (what a window can sum and compare, and numpy can hold
+once read; float8 and complex are not among them)."""
+
+
+def _is_metric_tensor(value: torch.Tensor) -> bool:
+    """A dense tensor holding numbers (checked without reading a value)."""
+    return (
+        not value.is_meta
+        and not value.is_nested
+        and value.layout is torch.strided
+        and value.dtype in _METRIC_DTYPES
+    )
 
 
 def _is_reduction(value: object) -> bool:
@@ -375,9 +414,13 @@ def _check_values(
             )
         if not accepts(v):
             detail = f"{v.dtype} array" if isinstance(v, np.ndarray) else type(v).__name__
+            shown = f"{v!r:.60}"
+            if isinstance(v, torch.Tensor):  # named by what it is: its values are not read
+                detail = f"{v.dtype} tensor"
+                shown = f"(layout {v.layout}, device {v.device}, shape {tuple(v.shape)})"
             raise error(
                 f"{type(event).__name__}({field}=...): expected {expected}, got {detail} "
-                f"{v!r:.60} for {k!r}"
+                f"{shown} for {k!r}"
             )
 
 

@@ -8,6 +8,7 @@ import torch
 
 from recis_async import HookBus, add_metric, add_to_ml_tracker, add_to_trace
 from recis_async.events import AfterStep, BeforeStep, OutOfData
+from recis_async.window import read_values
 
 pytestmark = pytest.mark.anyio
 
@@ -26,7 +27,8 @@ async def test_collected_values_attach_to_the_next_after_step_then_clear() -> No
         await bus.publish(AfterStep(global_step=0, metrics={"lr": 0.1}))
         await bus.publish(AfterStep(global_step=1))
     first, second = seen
-    assert first.metrics == {"loss": 0.5, "lr": 0.1}
+    assert isinstance(first.metrics["loss"], torch.Tensor)  # kept on its device, not read
+    assert read_values(first.metrics) == {"loss": 0.5, "lr": 0.1}
     assert isinstance(first.trace["user_id"], np.ndarray)
     assert first.trace["user_id"].tolist() == [1, 2, 3]
     assert first.trace["emb"].tolist() == [[0, 1], [2, 3], [4, 5]]
@@ -197,7 +199,9 @@ async def test_add_metric_keeps_numbers_and_converts_tensors_arrays_and_lists() 
         add_metric("grad", torch.tensor(0.5, requires_grad=True))
         add_metric("xs", [0.1, 0.2])
         await bus.publish(AfterStep())
-    metrics = seen[0].metrics
+    kept = seen[0].metrics
+    assert kept["half"].dtype == torch.bfloat16 and not kept["grad"].requires_grad
+    metrics = read_values(kept)  # as a hook reads them, off the step
     assert metrics["flag"] is True and metrics["n"] == 3 and metrics["grad"] == 0.5
     assert metrics["half"].dtype == np.float32 and metrics["half"].tolist() == [1.0, 2.0]
     assert metrics["xs"].tolist() == [0.1, 0.2]

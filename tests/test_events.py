@@ -102,9 +102,10 @@ def test_step_fields_must_be_ints() -> None:
             r"OutOfData\(is_train=...\): expected bool, got int 1",
         ),
         (
-            lambda: AfterStep(metrics={"loss": torch.tensor(0.5)}),
+            lambda: AfterStep(metrics={"loss": torch.zeros(2, dtype=torch.complex64)}),
             TypeError,
-            r"AfterStep\(metrics=...\): expected .*, got Tensor tensor\(0.5000\) for 'loss'",
+            r"AfterStep\(metrics=...\): expected .*, got torch.complex64 tensor \(layout "
+            r"torch.strided, device cpu, shape \(2,\)\) for 'loss'",
         ),
         (
             lambda: AfterStep(metrics={1: 0.5}),

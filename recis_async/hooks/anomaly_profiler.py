@@ -14,9 +14,11 @@ fire it):
   without ``BeforeStep``, the time since the previous training ``AfterStep``) is more than
   ``slowdown`` times the median.  On a GPU the host runs ahead of the device until its queue
   fills, so a step slowed on the device shows up in the host time of the steps after it.
-* ``loss_jump``: a loss more than ``loss_jump`` times the median loss.  The loss is read from
-  ``AfterStep.metrics[loss_key]`` only when it arrived there as a number (a value already on
-  the host: nothing is read from a device here); a step without one is not judged.
+* ``loss_jump``: a loss more than ``loss_jump`` times the median loss, from
+  ``AfterStep.metrics[loss_key]``: a number is judged on its step; a one-element tensor is
+  not read on its step but copied to the host without blocking
+  (:class:`~recis_async.lagged.LaggedCopies`) and judged :data:`LOSS_LAG` training steps later
+  (the warning names the step of the spike); a step without one is not judged.
 
 At most ``max_profiles`` profiles are taken per run (a resumed run counts those taken before:
 the count is in :meth:`state_dict`).  The reason is logged at WARNING and named in the file:
@@ -46,17 +48,21 @@ from ..console import clear_bars
 from ..events import AfterStep, BeforeStep, End
 from ..hook import Hook
 from ..jobs import JobQueue
+from ..lagged import LaggedCopies
 from .profiler import _Export, write_trace
 
 if TYPE_CHECKING:
     from ..bus import HookBus
 
-__all__ = ["MIN_HISTORY", "AnomalyProfilerHook"]
+__all__ = ["LOSS_LAG", "MIN_HISTORY", "AnomalyProfilerHook"]
 
 log = logging.getLogger(__name__)
 
 #: Training steps seen before either trigger may fire.
 MIN_HISTORY = 20
+
+#: Training steps after which a tensor loss is judged (its copy to the host is done by then).
+LOSS_LAG = 2
 
 
 class AnomalyProfilerHook(Hook):
@@ -115,6 +121,7 @@ class AnomalyProfilerHook(Hook):
         self.fired = 0  # profiles started in this run, and in the runs it resumes
         self._times: deque[float] = deque(maxlen=self.window)
         self._losses: deque[float] = deque(maxlen=self.window)
+        self._lagged = LaggedCopies(owner, LOSS_LAG, torch.float32)  # tensor losses
         self._t_before: float | None = None
         self._t_after: float | None = None
         self._rank = 0
@@ -162,6 +169,7 @@ class AnomalyProfilerHook(Hook):
         now = self._clock()
         start = self._t_before if self._t_before is not None else self._t_after
         self._t_before, self._t_after = None, now
+        due = await self._tensor_losses(event)
         if self._prof is not None:  # profiling: this step is neither judged nor counted
             self._advance()
             await self._hand_over()
@@ -186,20 +194,41 @@ class AnomalyProfilerHook(Hook):
         if self.loss_jump is not None:
             loss = event.metrics.get(self.loss_key)
             if isinstance(loss, numbers.Real) and not isinstance(loss, bool):
-                value = float(loss)  # a number already on the host (never a tensor)
-                losses = self._losses
-                if not reason and len(losses) >= MIN_HISTORY and value > min(losses):
-                    median = statistics.median(losses)
-                    if median > 0 and value > self.loss_jump * median:
-                        reason = "loss_spike"
-                        why = (
-                            f"loss spike at global_step {event.global_step}: {value:.6g}, "
-                            f"{value / median:.3g}x the median {median:.6g} of the last "
-                            f"{len(losses)} steps"
-                        )
-                losses.append(value)
+                due.append((event.global_step, float(loss)))  # a number already on the host
+            for step, value in due:
+                spike = self._loss_spike(step, value)
+                if spike and not reason:
+                    reason, why = "loss_spike", spike
         if reason:
             self._fire(event.global_step, reason, why)
+
+    async def _tensor_losses(self, event: AfterStep) -> list[tuple[int, float]]:
+        """Start the copy of this step's tensor loss; the (step, loss) pairs due now."""
+        if self.loss_jump is None:
+            return []
+        lagged = self._lagged
+        lagged.tick()
+        loss = event.metrics.get(self.loss_key)
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1 and self._prof is None:
+            lagged.put(event.global_step, loss)
+        if not lagged.pending:
+            return []
+        return [(d.step, float(d.value[0])) for d in await lagged.due()]
+
+    def _loss_spike(self, step: int, value: float) -> str:
+        """Why the loss of ``step`` is a spike ("" if it is not); counted in the median."""
+        losses = self._losses
+        why = ""
+        if len(losses) >= MIN_HISTORY and value > min(losses):
+            median = statistics.median(losses)
+            if median > 0 and value > self.loss_jump * median:  # type: ignore[operator]
+                why = (
+                    f"loss spike at global_step {step}: {value:.6g}, "
+                    f"{value / median:.3g}x the median {median:.6g} of the last "
+                    f"{len(losses)} steps"
+                )
+        losses.append(value)
+        return why
 
     async def end(self, event: End) -> None:
         if self._prof is not None:

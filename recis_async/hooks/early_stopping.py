@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Literal
 
+import torch
+
 from .._checks import positive_int
-from ..events import AfterEval, AfterStep
+from ..events import AfterEval, AfterStep, BeforeSaveCheckpoint
 from ..hook import Hook
+from ..reads import ReadQueue
+from ..window import read_value
 
 if TYPE_CHECKING:
     from ..bus import HookBus
@@ -31,6 +37,11 @@ class EarlyStoppingHook(Hook):
     drops below the best by more than ``min_delta``, ``"max"`` when it rises above it; a NaN
     never improves.  ``best``, ``best_step`` and ``wait`` are in ``state_dict`` so a resumed run
     keeps its patience.
+
+    With ``source="step"``, a value recorded as a tensor (one element) is not read on its
+    step: a worker thread reads it and the hook judges it then, in step order, so the stop
+    request comes a moment (on a GPU, a step or a few) after the step that triggered it; the
+    judgements still queued are finished before a checkpoint is saved.
 
     Args:
         monitor: the metric name to watch.
@@ -77,9 +88,12 @@ class EarlyStoppingHook(Hook):
         self.best_step: int | None = None
         self.wait = 0
         self._bus: HookBus | None = None
+        self._reads = ReadQueue("EarlyStoppingHook.read", on_error=self.on_error)
 
     def attach(self, bus: HookBus) -> None:
         self._bus = bus
+        if self.source == "step":
+            self._reads.start(bus)
 
     def after_eval(self, event: AfterEval) -> None:
         if self.source != "eval":
@@ -91,17 +105,38 @@ class EarlyStoppingHook(Hook):
             )
         self._judge(event.metrics[self.monitor], event.global_step)
 
-    def after_step(self, event: AfterStep) -> None:
+    def after_step(self, event: AfterStep) -> Awaitable[None] | None:
+        """Sync for numbers; a coroutine (the read handed to the worker) for a tensor."""
         if self.source == "step" and event.is_train and self.monitor in event.metrics:
-            self._judge(event.metrics[self.monitor], event.global_step + 1)
+            raw = event.metrics[self.monitor]
+            step = event.global_step + 1
+            if isinstance(raw, torch.Tensor):
+                if raw.numel() != 1:  # its shape says so: no read needed
+                    self._judge(raw, step)
+                return self._reads.put(
+                    functools.partial(read_value, raw), functools.partial(self._judge_at, step)
+                )
+            if self._reads.busy:  # after the values still being read
+                return self._reads.put(lambda: raw, functools.partial(self._judge_at, step))
+            self._judge(raw, step)
+        return None
+
+    def _judge_at(self, step: int, value: Any) -> None:
+        self._judge(value, step)
+
+    async def before_save_checkpoint(self, event: BeforeSaveCheckpoint) -> None:
+        """The judgements still being read are done before ``state_dict`` is taken."""
+        await self._reads.wait_idle()
 
     def _judge(self, raw: Any, step: int) -> None:
         try:
+            if isinstance(raw, torch.Tensor):
+                raise TypeError  # more than one element (one is read before it gets here)
             value = float(raw)
         except (TypeError, ValueError):
             raise TypeError(
                 f"EarlyStoppingHook: {self.monitor!r} at step {step}: expected a number, "
-                f"got {raw!r}"
+                f"got {_shown(raw)}"
             ) from None
         if self._improved(value):
             self.best, self.best_step, self.wait = value, step, 0
@@ -137,3 +172,9 @@ class EarlyStoppingHook(Hook):
             f"<EarlyStoppingHook monitor={self.monitor!r} mode={self.mode} "
             f"patience={self.patience} source={self.source}>"
         )
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, torch.Tensor):  # named by its shape: its values are not read
+        return f"a tensor of shape {tuple(value.shape)}"
+    return repr(value)

@@ -6,16 +6,20 @@ import csv
 import math
 import os
 import uuid
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
+
+import torch
 
 from .._checks import positive_int, writable_dir
 from .._files import atomic_path
 from ..events import AfterLoadCheckpoint, AfterStep, End
 from ..hook import Hook
 from ..jobs import JobQueue
+from ..window import MetricWindow, WindowSnapshot
 
 if TYPE_CHECKING:
     from ..bus import HookBus
@@ -25,7 +29,42 @@ __all__ = ["HistorySaverHook"]
 COLUMNS = ("mean_losses", "total_losses", "steps")
 _QUEUE = 64  # writes waiting before the step waits (each a few rows)
 
-_Op = tuple[str, list[dict[str, Any]]]  # ("rewrite" | "append", rows)
+
+class _Row:
+    """One interval's row; its loss sum may be a device value until first asked for (read
+    then, once: in the writer's worker thread, or where ``history``/``state_dict`` runs)."""
+
+    __slots__ = ("_carried", "_samples", "_snapshot", "_values", "steps")
+
+    def __init__(self, steps: int | None, snapshot: WindowSnapshot, samples: int, carried: float):
+        self.steps = steps
+        self._snapshot: WindowSnapshot | None = snapshot
+        self._samples = samples
+        self._carried = carried  # the interval's sum restored from a checkpoint
+        self._values: dict[str, Any] | None = None
+
+    @classmethod
+    def plain(cls, values: dict[str, Any]) -> _Row:
+        row = cls(values.get("steps"), WindowSnapshot({}, 0, 0), 0, 0.0)
+        row._values = dict(values)
+        return row
+
+    def values(self) -> dict[str, Any]:
+        """The row on the host (reads a device sum the first time)."""
+        if self._values is None:
+            snapshot = self._snapshot
+            assert snapshot is not None
+            total = self._carried + sum(float(s.sum) for s in snapshot.read().values())
+            self._values = {
+                "mean_losses": total / self._samples if self._samples else math.nan,
+                "total_losses": total,
+                "steps": self.steps,
+            }
+            self._snapshot = None
+        return dict(self._values)
+
+
+_Op = tuple[str, list[_Row]]  # ("rewrite" | "append", rows)
 
 
 class _CsvFile:
@@ -44,7 +83,7 @@ class _CsvFile:
             self.apply(op)
 
     def apply(self, op: _Op) -> None:
-        kind, rows = op
+        kind, rows = op[0], [row.values() for row in op[1]]  # a device sum is read here
         if kind == "rewrite":
             tmp = f"{self.path}.tmp-{uuid.uuid4().hex[:12]}"
             with atomic_path(self.path, tmp), open(tmp, "w", newline="") as f:
@@ -66,6 +105,11 @@ class HistorySaverHook(Hook):
     ``AfterStep.samples`` rows; a step without ``samples`` counts as one), ``steps`` the
     completed steps at the end of the interval.  ``.history`` returns the rows (for
     ``pandas.DataFrame(hook.history)``).
+
+    A loss recorded as a tensor (one element, any device) is summed on its device
+    (:class:`~recis_async.window.MetricWindow`) and an interval's sum is read once, off the
+    step: by the CSV writer's worker thread, or when ``.history`` or ``state_dict()`` is asked
+    for (a checkpoint save).
 
     With ``output_dir`` the rows also go to ``<output_dir>/history.csv``
     (``history-rank<r>.csv`` when several ranks run), written by a background service, never on
@@ -99,8 +143,9 @@ class HistorySaverHook(Hook):
             raise ValueError(f"{owner}(loss_key=...): expected a metric name, got {loss_key!r}")
         self.loss_key = loss_key
         self.path: str | None = None
-        self._rows: list[dict[str, Any]] = []
-        self._total = 0.0  # loss summed over the samples of the open interval
+        self._rows: list[_Row] = []
+        self._window = MetricWindow(keep=("sum",))  # the open interval's loss x samples
+        self._carried = 0.0  # the open interval's host sum (numbers, a restored state)
         self._samples = 0
         self._last_step: int | None = None
         self._writer: JobQueue[_Op] | None = None
@@ -108,8 +153,9 @@ class HistorySaverHook(Hook):
 
     @property
     def history(self) -> list[dict[str, Any]]:
-        """One dict per closed interval: ``mean_losses``, ``total_losses``, ``steps``."""
-        return [dict(row) for row in self._rows]
+        """One dict per closed interval: ``mean_losses``, ``total_losses``, ``steps`` (a sum
+        still on the device is read here)."""
+        return [row.values() for row in self._rows]
 
     def outputs(self) -> dict[str, str]:
         if self.output_dir is None:
@@ -128,28 +174,49 @@ class HistorySaverHook(Hook):
         self._synced = False
         bus.start_service(self._writer)
 
-    async def after_step(self, event: AfterStep) -> None:
+    def after_step(self, event: AfterStep) -> Awaitable[None] | None:
+        """Sync on most steps; the interval's close is awaited (its row queued)."""
         if not event.is_train:
-            return
+            return None
         try:
-            loss = float(event.metrics[self.loss_key])
+            loss = event.metrics[self.loss_key]
         except KeyError:
             raise KeyError(
                 f"HistorySaverHook: AfterStep(global_step={event.global_step}).metrics has no "
                 f"{self.loss_key!r} (got {sorted(event.metrics)}); record it with "
                 f"add_metric({self.loss_key!r}, loss) or pass loss_key="
             ) from None
-        except TypeError:
-            raise TypeError(
-                f"HistorySaverHook: metrics[{self.loss_key!r}] at global_step "
-                f"{event.global_step}: expected a number, got {event.metrics[self.loss_key]!r}"
-            ) from None
         samples = event.samples if event.samples > 0 else 1
-        self._total += loss * samples
+        if type(loss) is not float:
+            loss = self._checked(loss, event.global_step)
+        if type(loss) is float:
+            self._carried += loss * samples
+        else:  # a tensor: summed on its device
+            self._window.add({self.loss_key: loss}, samples)
         self._samples += samples
         self._last_step = event.global_step + 1
         if self._last_step % self.every_n_step == 0:
-            await self._close_interval()
+            return self._close_interval()
+        return None
+
+    def _checked(self, loss: Any, step: int) -> Any:
+        """A one-element tensor as it is (read later), else the loss as a float."""
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:  # its shape: no read
+            return loss
+        try:
+            if isinstance(loss, torch.Tensor):
+                raise TypeError
+            return float(loss)
+        except TypeError:
+            shown = (
+                f"a tensor of shape {tuple(loss.shape)}"
+                if isinstance(loss, torch.Tensor)
+                else repr(loss)
+            )
+            raise TypeError(
+                f"HistorySaverHook: metrics[{self.loss_key!r}] at global_step "
+                f"{step}: expected a number, got {shown}"
+            ) from None
 
     async def end(self, event: End) -> None:
         if self._samples:
@@ -162,35 +229,36 @@ class HistorySaverHook(Hook):
         await self._send("rewrite", [])
 
     def state_dict(self) -> dict[str, Any]:
+        """The rows and the open interval (a device sum is read here: a save boundary)."""
+        open_sum = self._carried + sum(
+            float(s.sum) for s in self._window.peek().read().values()
+        )
         return {
-            "rows": [dict(row) for row in self._rows],
-            "total": self._total,
+            "rows": self.history,
+            "total": open_sum,
             "samples": self._samples,
             "last_step": self._last_step,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._rows = [dict(row) for row in state["rows"]]
-        self._total = float(state["total"])
+        self._rows = [_Row.plain(row) for row in state["rows"]]
+        self._window = MetricWindow(keep=("sum",))
+        self._carried = float(state["total"])
         self._samples = int(state["samples"])
         self._last_step = state["last_step"]
         self._synced = False
 
     async def _close_interval(self) -> None:
-        row = {
-            "mean_losses": self._total / self._samples if self._samples else math.nan,
-            "total_losses": self._total,
-            "steps": self._last_step,
-        }
+        row = _Row(self._last_step, self._window.take(), self._samples, self._carried)
         self._rows.append(row)
-        self._total, self._samples = 0.0, 0
-        await self._send("append", [dict(row)])
+        self._carried, self._samples = 0.0, 0
+        await self._send("append", [row])
 
-    async def _send(self, kind: str, rows: list[dict[str, Any]]) -> None:
+    async def _send(self, kind: str, rows: list[_Row]) -> None:
         if self._writer is None:
             return
         if not self._synced:  # the first write of a run, or after a restore: the whole history
-            kind, rows = "rewrite", [dict(r) for r in self._rows]
+            kind, rows = "rewrite", list(self._rows)
         try:
             await self._writer.put((kind, rows))
         except RuntimeError as exc:

@@ -15,6 +15,14 @@ line, ``<mode=eval_summary> <gstep=..> <steps=..> <loss=..> ...``, with the pass
 metrics, and the eval counters start again for the next evaluation.  ``<lstep=..>`` is the
 event's ``local_step``; a loop that never passes one (every step says 0) gets the hook's own
 count of the steps of that mode instead, as RecIS's LoggerHook counts.
+
+When a line is written: at its step when the step's metrics are numbers.  Metrics recorded as
+tensors (``add_metric("loss", loss)`` on any device) are not read on the step: at the log step
+their values are handed to a worker thread that reads them (on a GPU, the one wait on the
+device per window, off the step) and the line is written once they are read, a moment after its
+step, in the same order as every other line of the hook.  The line shows the log step's values,
+as for numbers.  With ``all_reduce=True`` the log step itself reads them (in a worker thread)
+before the collective, which every rank must enter at the same point.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
 import msgspec
@@ -34,7 +42,12 @@ from .. import dist
 from .._checks import boolean, logger_or, positive_int, positive_number
 from ..events import AfterEval, AfterStep, BeforeStep
 from ..hook import Hook
+from ..reads import ReadQueue
 from ..subscription import StepCadence
+from ..window import has_tensor, read_values
+
+if TYPE_CHECKING:
+    from ..bus import HookBus
 
 __all__ = ["LoggerHook", "format_value"]
 
@@ -117,6 +130,10 @@ class LoggerHook(Hook):
         # per mode: whether the publisher numbers its steps (a nonzero local_step was seen);
         # until then <lstep=..> shows the hook's own count, as RecIS's LoggerHook does
         self._numbered = {True: False, False: False}
+        self._reads = ReadQueue("LoggerHook.read", on_error=self.on_error)
+
+    def attach(self, bus: HookBus) -> None:
+        self._reads.start(bus)
 
     def _enter(self, is_train: bool, now: float) -> _Window:
         """Open this mode's segment if needed and close the other mode's."""
@@ -157,16 +174,32 @@ class LoggerHook(Hook):
         window.steps = window.samples = 0
         window.busy = 0.0
         window.seg_start = now
+        if lstep != event.local_step:
+            event = msgspec.structs.replace(event, local_step=lstep)
+        tensors = has_tensor(event.metrics.values())
         if self.all_reduce and dist.is_initialized() and dist.get_world_size() > 1:
+            if tensors:  # read here: the collective below needs the values on every rank
+                metrics = await anyio.to_thread.run_sync(read_values, event.metrics)
+                event = msgspec.structs.replace(event, metrics=metrics)
+                tensors = False
             event, qps, sps = await self._reduced(event, qps, sps)
             if dist.get_rank() != 0:
                 return
-        if lstep != event.local_step:
-            event = msgspec.structs.replace(event, local_step=lstep)
-        self.logger.info(self.format_line(event, qps, sps))
+        if tensors or self._reads.busy:  # read off the step; lines keep their order
+            await self._reads.put(
+                functools.partial(read_values, event.metrics),
+                functools.partial(self._write, event, qps, sps),
+            )
+        else:
+            self.logger.info(self.format_line(event, qps, sps))
 
-    def after_eval(self, event: AfterEval) -> None:
-        """One summary line per evaluation; the eval counters restart for the next one."""
+    def _write(self, event: AfterStep, qps: float, sps: float, metrics: dict[str, Any]) -> None:
+        """A line whose metrics were read off the step."""
+        self.logger.info(self._line(event, qps, sps, metrics))
+
+    async def after_eval(self, event: AfterEval) -> None:
+        """One summary line per evaluation (after the lines of its steps still being read);
+        the eval counters restart for the next one."""
         self._windows[False] = _Window()
         if self.all_reduce and dist.get_rank() != 0:
             return  # the metrics are reduced over ranks already: rank 0 logs them once
@@ -176,7 +209,11 @@ class LoggerHook(Hook):
             f"<steps={event.steps}>",
             *(f"<{name}={format_value(value)}>" for name, value in event.metrics.items()),
         ]
-        self.logger.info(" ".join(parts))
+        line = " ".join(parts)
+        if self._reads.busy:
+            await self._reads.put(_nothing, lambda _: self.logger.info(line))
+        else:
+            self.logger.info(line)
 
     async def _reduced(
         self, event: AfterStep, qps: float, sps: float
@@ -202,6 +239,11 @@ class LoggerHook(Hook):
 
     @staticmethod
     def format_line(event: AfterStep, qps: float, sps: float) -> str:
+        """The line of ``event`` (its metrics as they are: numbers, or tensors read here)."""
+        return LoggerHook._line(event, qps, sps, read_values(event.metrics))
+
+    @staticmethod
+    def _line(event: AfterStep, qps: float, sps: float, metrics: Mapping[str, Any]) -> str:
         parts = [
             f"<mode={'train' if event.is_train else 'eval'}>",
             f"<gstep={event.global_step}>",
@@ -209,6 +251,9 @@ class LoggerHook(Hook):
             f"<qps={qps:.2f}>",
             f"<sps={sps:.3f}>",
         ]
-        metrics: Mapping[str, Any] = event.metrics
         parts.extend(f"<{name}={format_value(value)}>" for name, value in metrics.items())
         return " ".join(parts)
+
+
+def _nothing() -> None:
+    return None

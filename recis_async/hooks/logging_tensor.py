@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Awaitable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from .._checks import exactly_one, positive_int, positive_number
 from ..events import AfterStep
 from ..hook import Hook
+from ..reads import ReadQueue
 from ..subscription import Filters, is_train
+from ..window import read_values
+
+if TYPE_CHECKING:
+    from ..bus import HookBus
 
 __all__ = ["LoggingTensorHook"]
 
@@ -33,6 +41,11 @@ def _format(value: Any) -> str:
     return repr(value)
 
 
+def _plain(value: Any) -> bool:
+    """A value on the host already (not a tensor, not a host copy still in flight)."""
+    return isinstance(value, int | float | str | list | tuple | np.ndarray | np.generic)
+
+
 class LoggingTensorHook(Hook):
     """Log the values named in ``names`` from training steps, TensorFlow style.
 
@@ -43,6 +56,9 @@ class LoggingTensorHook(Hook):
     as ``n/a`` and is warned about once.  One INFO line per log::
 
         global_step=99 loss = 0.6931, auc = 0.71 (1.52 sec)
+
+    Values recorded as tensors (or host copies still in flight) are not read on the step: a
+    worker thread reads them and the line is written once they are read, in order.
 
     Args:
         names: metric names to log, looked up in ``metrics`` then ``tracked``.
@@ -84,37 +100,51 @@ class LoggingTensorHook(Hook):
             }
         self._last: float = -math.inf
         self._warned: set[str] = set()
+        self._reads = ReadQueue("LoggingTensorHook.read", on_error=self.on_error)
 
-    def after_step(self, event: AfterStep) -> None:
+    def attach(self, bus: HookBus) -> None:
+        self._reads.start(bus)
+
+    def after_step(self, event: AfterStep) -> Awaitable[None] | None:
+        """Sync; a coroutine (the read handed to the worker) when a value is a tensor."""
         if not event.is_train:
-            return  # (with every_n_secs the bus's filter passes training steps only)
+            return None  # (with every_n_secs the bus's filter passes training steps only)
         now = time.monotonic()
         if self.every_n_iter is not None:
             # TensorFlow's rule (the first step, then every n-th) counted on the global step,
             # so a resumed run logs the same steps as an uninterrupted one
             if event.global_step % self.every_n_iter:
-                return
-        parts = []
+                return None
+        found: dict[str, Any] = {}
         for name in self.names:
             if name in event.metrics:
-                parts.append(f"{name} = {_format(event.metrics[name])}")
+                found[name] = event.metrics[name]
             elif name in event.tracked:
-                parts.append(f"{name} = {_format(event.tracked[name])}")
-            else:
-                parts.append(f"{name} = n/a")
-                if name not in self._warned:
-                    self._warned.add(name)
-                    logger.warning(
-                        "LoggingTensorHook: %r is neither in AfterStep.metrics %s nor in "
-                        "AfterStep.tracked %s at global_step %d",
-                        name,
-                        sorted(event.metrics),
-                        sorted(event.tracked),
-                        event.global_step,
-                    )
+                found[name] = event.tracked[name]
+            elif name not in self._warned:
+                self._warned.add(name)
+                logger.warning(
+                    "LoggingTensorHook: %r is neither in AfterStep.metrics %s nor in "
+                    "AfterStep.tracked %s at global_step %d",
+                    name,
+                    sorted(event.metrics),
+                    sorted(event.tracked),
+                    event.global_step,
+                )
         since = "" if self._last == -math.inf else f" ({now - self._last:.3f} sec)"
         self._last = now
-        logger.info("global_step=%d %s%s", event.global_step, ", ".join(parts), since)
+        write = functools.partial(self._write, event.global_step, since)
+        if self._reads.busy or not all(_plain(v) for v in found.values()):
+            return self._reads.put(functools.partial(read_values, found), write)
+        write(found)
+        return None
+
+    def _write(self, step: int, since: str, values: dict[str, Any]) -> None:
+        parts = [
+            f"{name} = {_format(values[name])}" if name in values else f"{name} = n/a"
+            for name in self.names
+        ]
+        logger.info("global_step=%d %s%s", step, ", ".join(parts), since)
 
     def __repr__(self) -> str:
         every = (

@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import functools
 import numbers
-from collections.abc import Callable, Iterable
-from typing import IO, Any
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import IO, TYPE_CHECKING, Any
+
+import anyio.to_thread
+import torch
 
 from .._checks import boolean, positive_int, positive_number
 from ..console import route_logging_through_bar
 from ..events import AfterStep, BeforeStep, End
 from ..hook import Hook
+from ..reads import ReadQueue
+from ..window import read_values
+
+if TYPE_CHECKING:
+    from ..bus import HookBus
 
 __all__ = ["ProgressBarHook"]
 
@@ -21,7 +31,11 @@ class ProgressBarHook(Hook):
     ``TrainingArguments`` when left ``None``: ``train_steps``, else ``train_epoch`` passes over
     a dataset with ``len()``); with a total the bar shows the ETA.  The bar opens at the first
     training step and starts at that step, so a resumed run shows its true position.  The
-    postfix shows the latest step's numeric metrics (or only ``metrics`` when given).  While the
+    postfix shows the latest step's numeric metrics (or only ``metrics`` when given).  Metrics
+    recorded as one-element tensors are not read on the step: at most every ``mininterval``
+    seconds (the bar's refresh) the latest ones are read in a worker thread and shown once
+    read, so the postfix may trail the bar by a refresh; at ``End`` the last values are read and
+    shown before the bar closes.  While the
     bar is shown, log lines to the console (handlers of the root and ``recis_async`` loggers
     writing to stdout, stderr or ``file``) are written through tqdm, so each sits on its own
     line above the bar, in a terminal and in a redirected file alike.  Rank 0 only.
@@ -80,6 +94,12 @@ class ProgressBarHook(Hook):
         self.mininterval = positive_number(owner, "mininterval", mininterval)
         self._bar: Any = None
         self._unroute: Callable[[], None] | None = None
+        self._latest: dict[str, Any] = {}  # shown values not read yet (device tensors)
+        self._next_read = 0.0  # monotonic time of the next read of tensor values
+        self._reads = ReadQueue("ProgressBarHook.read", capacity=1, on_error=self.on_error)
+
+    def attach(self, bus: HookBus) -> None:
+        self._reads.start(bus)
 
     def before_step(self, event: BeforeStep) -> None:
         if event.is_train and self._bar is None:
@@ -95,22 +115,42 @@ class ProgressBarHook(Hook):
             )
             self._unroute = route_logging_through_bar(self._tqdm, self.file)
 
-    def after_step(self, event: AfterStep) -> None:
+    def after_step(self, event: AfterStep) -> Awaitable[None] | None:
+        """Sync; a coroutine (the read handed to the worker) at a refresh with tensors."""
         bar = self._bar
         if not event.is_train or bar is None:
-            return
-        names = event.metrics if self.metrics is None else self.metrics
+            return None
+        metrics = event.metrics
+        names = metrics if self.metrics is None else self.metrics
         postfix = {
-            name: event.metrics[name]
-            for name in names
-            if isinstance(event.metrics.get(name), numbers.Real)
+            name: metrics[name] for name in names if isinstance(metrics.get(name), numbers.Real)
         }
-        if postfix:
+        read = None
+        if len(postfix) < len(names) and _tensor_scalars(metrics, names, postfix):
+            self._latest = postfix  # numbers and device values: read at the next refresh
+            now = time.monotonic()
+            if now >= self._next_read and not self._reads.busy:
+                self._next_read = now + self.mininterval
+                self._latest = {}
+                read = self._reads.put(functools.partial(read_values, postfix), self._show)
+        elif postfix:
+            self._latest = {}
             bar.set_postfix(postfix, refresh=False)
         bar.update(1)
+        return read
 
-    def end(self, event: End) -> None:
+    def _show(self, values: Mapping[str, Any]) -> None:
+        """Values read off the step: the postfix of the next redraw."""
         if self._bar is not None:
+            self._bar.set_postfix(values, refresh=False)
+
+    async def end(self, event: End) -> None:
+        if self._bar is not None:
+            await self._reads.wait_idle()
+            if self._latest:  # the last values, read now (the run is over)
+                self._show(await anyio.to_thread.run_sync(read_values, self._latest))
+                self._latest = {}
+                self._bar.refresh()
             self._bar.close()
             self._bar = None
         if self._unroute is not None:
@@ -119,3 +159,15 @@ class ProgressBarHook(Hook):
 
     def __repr__(self) -> str:
         return f"<ProgressBarHook total={self.total}>"
+
+
+def _tensor_scalars(metrics: Mapping[str, Any], names: Iterable[str], into: dict[str, Any]) -> bool:
+    """Add the one-element tensors among ``names`` to ``into`` (their shape says so: no read);
+    whether there were any."""
+    found = False
+    for name in names:
+        value = metrics.get(name)
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            into[name] = value
+            found = True
+    return found

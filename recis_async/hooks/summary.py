@@ -4,11 +4,14 @@ Numeric metrics of the step (``AfterStep.metrics``) become scalars, array metric
 histograms, and, when a model is given, every parameter a histogram under ``params/``.  The
 values are copied on the step (parameters to CPU arrays, so later updates do not leak into
 the summary) and written by a :class:`~recis_async.trackers.TrackerService` driving a
-:class:`~recis_async.trackers.TensorBoardTracker` in a worker thread.
+:class:`~recis_async.trackers.TensorBoardTracker` in a worker thread.  Metrics recorded as
+tensors are not read on the step: the save step's values are read in a worker thread and the
+record is handed to the writer once read.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -19,11 +22,13 @@ import torch
 from .._checks import positive_int, writable_dir
 from ..events import AfterStep, End
 from ..hook import Hook
+from ..reads import ReadQueue
 from ..subscription import Filters, is_train
 from ..trackers import RunSpec, StepRecord, TrackerService
 from ..trackers.base import check_metric_name, to_tracked_value
 from ..trackers.service import check_settings
 from ..trackers.tensorboard import TensorBoardTracker
+from ..window import has_tensor, read_values
 
 if TYPE_CHECKING:
     from ..bus import HookBus
@@ -72,6 +77,7 @@ class SummarySaverHook(Hook):
         self.subscription_filters = {"after_step": Filters(every_step=save_steps, when=is_train)}
         self._names: set[str] = set()
         self._service: TrackerService | None = None
+        self._reads = ReadQueue("SummarySaverHook.read", on_error=self.on_error)
 
     @property
     def service(self) -> TrackerService | None:
@@ -92,26 +98,43 @@ class SummarySaverHook(Hook):
             on_error=self.on_error,
         )
         bus.start_service(self._service)
+        self._reads.start(bus)
 
     async def after_step(self, event: AfterStep) -> None:
         if self._service is None:
             return
-        values: dict[str, Any] = {}
-        for key, value in event.metrics.items():
+        for key in event.metrics:
             if key not in self._names:
                 check_metric_name(key, where="AfterStep.metrics key")
                 self._names.add(key)
-            values[key] = to_tracked_value(key, value, where="AfterStep.metrics")
+        params: dict[str, Any] = {}
         if self.model is not None:
             for name, param in self.model.named_parameters():
-                values[f"params/{name}"] = (
+                params[f"params/{name}"] = (
                     param.detach().to("cpu", dtype=torch.float32, copy=True).numpy()
                 )
+        if has_tensor(event.metrics.values()) or self._reads.busy:  # read off the step
+            await self._reads.put(
+                functools.partial(read_values, event.metrics),
+                functools.partial(self._record, event.global_step, time.time(), params),
+            )
+        else:
+            await self._record(event.global_step, time.time(), params, event.metrics)
+
+    async def _record(
+        self, step: int, when: float, params: dict[str, Any], metrics: dict[str, Any]
+    ) -> None:
+        assert self._service is not None
+        values: dict[str, Any] = {
+            key: to_tracked_value(key, value, where="AfterStep.metrics")
+            for key, value in metrics.items()
+        }
+        values.update(params)
         values = {
             k: v for k, v in values.items() if not (isinstance(v, np.ndarray) and v.size == 0)
         }
         if values:
-            await self._service.put(StepRecord(event.global_step, time.time(), values))
+            await self._service.put(StepRecord(step, when, values))
 
     def end(self, event: End) -> None:
         if self._service is not None:
