@@ -20,7 +20,7 @@ import inspect
 import io
 import pkgutil
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
 
@@ -49,6 +49,7 @@ from recis_async.events import (
     End,
     OutOfData,
     Start,
+    StepEvent,
 )
 from recis_async.hooks import (
     AnomalyProfilerHook,
@@ -122,7 +123,7 @@ def ordinary(where: Any) -> bool:
     return isinstance(where, tuple) and where[0] == "eval"
 
 
-class Labelled:
+class Labelled(Protocol):
     """What :class:`Where` labels: anything with a writable ``where``."""
 
     where: Any
@@ -372,25 +373,46 @@ async def own_loop(
         await bus.publish(BeforeEpoch(epoch=epoch))
         model.train()
         for local, batch in enumerate(train):
-            at = {"global_step": g, "local_step": local, "epoch": epoch}
-            await bus.publish(BeforeStep(**at))
-            await bus.publish(AfterData(**at))
+            at = _At(True, g, local, epoch)
+            await bus.publish(at(BeforeStep))
+            await bus.publish(at(AfterData))
             out = model(batch)
             loss = out["loss"]
             loss.backward()
-            await bus.publish(AfterBackward(**at, sync=True))
-            await bus.publish(BeforeOptimizerStep(**at, optimizers=(opt,)))
+            await bus.publish(at(AfterBackward, sync=True))
+            await bus.publish(at(BeforeOptimizerStep, optimizers=(opt,)))
             opt.step()
             opt.zero_grad(set_to_none=True)
-            await bus.publish(AfterOptimizerStep(**at, optimizers=(opt,)))
+            await bus.publish(at(AfterOptimizerStep, optimizers=(opt,)))
             add_metric("loss", loss.detach())
             add_metric("acc", out["acc"])
             record(batch, out["pred"], out["emb"], loss.detach(), train=True)
-            await bus.publish(AfterStep(**at, samples=ROWS))
+            await bus.publish(at(AfterStep, samples=ROWS))
             g += 1
         await bus.publish(AfterTrain(global_step=g, epoch=epoch))
         await _evaluate(bus, model, evaluation, g, epoch)
         await bus.publish(AfterEpoch(epoch=epoch, global_step=g))
+
+
+E = TypeVar("E", bound=StepEvent)
+
+
+class _At(NamedTuple):
+    """Where a step is: builds that step's events."""
+
+    is_train: bool
+    global_step: int
+    local_step: int
+    epoch: int
+
+    def __call__(self, cls: type[E], **extra: Any) -> E:
+        return cls(
+            is_train=self.is_train,
+            global_step=self.global_step,
+            local_step=self.local_step,
+            epoch=self.epoch,
+            **extra,
+        )
 
 
 async def _evaluate(
@@ -400,18 +422,18 @@ async def _evaluate(
     aggregator = MetricAggregator()
     with bus.subscribe(AfterStep, aggregator.update, when=lambda e: not e.is_train):
         for local, batch in enumerate(data):
-            at = {"is_train": False, "global_step": g, "local_step": local, "epoch": epoch}
-            await bus.publish(BeforeStep(**at))
-            await bus.publish(AfterData(**at))
+            at = _At(False, g, local, epoch)
+            await bus.publish(at(BeforeStep))
+            await bus.publish(at(AfterData))
             with torch.no_grad():
                 out = model(batch)
             add_metric("loss", out["loss"])
             add_metric("acc", out["acc"])
             record(batch, out["pred"], out["emb"], out["loss"], train=False)
-            await bus.publish(AfterStep(**at, samples=ROWS))
-        at = {"is_train": False, "global_step": g, "local_step": len(data), "epoch": epoch}
-        await bus.publish(BeforeStep(**at))
-        await bus.publish(OutOfData(**at))  # the data ran out, as the Trainer publishes
+            await bus.publish(at(AfterStep, samples=ROWS))
+        at = _At(False, g, len(data), epoch)
+        await bus.publish(at(BeforeStep))
+        await bus.publish(at(OutOfData))  # the data ran out, as the Trainer publishes
     metrics = await aggregator.compute_all_ranks()
     await bus.publish(AfterEval(global_step=g, steps=aggregator.steps, metrics=metrics))
     model.train()

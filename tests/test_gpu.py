@@ -29,7 +29,7 @@ import traceback
 import warnings
 from pathlib import Path
 from types import TracebackType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TextIO
 
 import numpy as np
 import pyarrow.dataset as ds
@@ -110,9 +110,17 @@ class DeviceSyncs(TorchFunctionMode):
             torch.cuda.set_sync_debug_mode("default")
         self._warnings.__exit__(exc_type, exc, tb)
 
-    def _warned(self, message: Any, category: Any, filename: str, lineno: int, *rest: Any) -> None:
+    def _warned(
+        self,
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
         if _SYNC_MESSAGE not in str(message):
-            self._shown(message, category, filename, lineno, *rest)
+            self._shown(message, category, filename, lineno, file, line)
             return
         self._add(_SYNC_MESSAGE)
 
@@ -299,15 +307,15 @@ async def test_device_values_traced_and_tracked_read_back_equal(
         np.testing.assert_array_equal(rows.column("f32").to_numpy(), want["f32"])
         np.testing.assert_array_equal(rows.column("bf16").to_numpy(), want["bf16"])
         np.testing.assert_array_equal(rows.column("i64").to_numpy(), want["i64"])
-        vec = np.stack(rows.column("vec").to_pylist()).astype(np.float32)
-        np.testing.assert_array_equal(vec, want["vec"])
+        rows_vec = np.stack(rows.column("vec").to_pylist()).astype(np.float32)
+        np.testing.assert_array_equal(rows_vec, want["vec"])
     assert tracker.run_dir is not None
     records = [r for r in read_records(tracker.run_dir / "metrics.jsonl") if "i64" in r.values]
     assert [r.step for r in records] == list(range(6))
-    for record, want in zip(records, scalars, strict=True):
-        assert record.values["f32"] == want["f32"]
-        assert record.values["bf16"] == want["bf16"]
-        assert record.values["i64"] == want["i64"]
+    for record, scalar in zip(records, scalars, strict=True):
+        assert record.values["f32"] == scalar["f32"]
+        assert record.values["bf16"] == scalar["bf16"]
+        assert record.values["i64"] == scalar["i64"]
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
