@@ -38,6 +38,7 @@ import torch
 from all_hooks import (
     EPOCHS,
     EVAL_BATCHES,
+    ROWS,
     STEPS,
     CtrModel,
     Where,
@@ -191,7 +192,7 @@ async def test_no_device_sync_on_a_step_with_every_hook(tmp_path: Path, loop: st
                         bus.add_hook(hook)
                     await own_loop(bus, model, opt, device)
         rows = server.committed("proof", "dt=1").num_rows
-    assert rows == (STEPS + EPOCHS * EVAL_BATCHES) * 16
+    assert rows == (STEPS + EPOCHS * EVAL_BATCHES) * ROWS
     steps = {w for w in where.seen if ordinary(w) and w[0] == "train"}
     assert len(steps) == 12, where.seen
     assert not syncs.on_steps(), (
