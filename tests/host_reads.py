@@ -49,6 +49,7 @@ class Read(NamedTuple):
     name: str
     where: Any
     source: str  # the innermost frame outside torch and this file, "file:line"
+    callers: tuple[str, ...] = ()  # the frames around it, innermost first ("file:line func")
 
 
 class HostReads(TorchFunctionMode):
@@ -69,7 +70,7 @@ class HostReads(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if name in _READS or (name == "to" and _to_cpu(args, kwargs)):
-            self.reads.append(Read(name, self.where, _caller()))
+            self.reads.append(Read(name, self.where, *_caller()))
         return func(*args, **kwargs)
 
     def at(self, where: Any) -> list[Read]:
@@ -88,8 +89,14 @@ def _to_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return torch.device(target).type == "cpu"
 
 
-def _caller() -> str:
-    for frame in reversed(traceback.extract_stack()[:-2]):
-        if "/torch/" not in frame.filename and not frame.filename.endswith("host_reads.py"):
-            return f"{frame.filename}:{frame.lineno}"
-    return "?"
+def _caller() -> tuple[str, tuple[str, ...]]:
+    """The innermost frame outside torch and this file, and the three frames around it."""
+    frames = [
+        f
+        for f in reversed(traceback.extract_stack()[:-2])
+        if "/torch/" not in f.filename and not f.filename.endswith("host_reads.py")
+    ]
+    if not frames:
+        return "?", ()
+    outer = tuple(f"{f.filename}:{f.lineno} {f.name}" for f in frames[1:4])
+    return f"{frames[0].filename}:{frames[0].lineno}", outer
