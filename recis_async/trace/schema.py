@@ -618,7 +618,7 @@ def to_arrow(chunk: Chunk, type_: OdpsType) -> pa.Array:
     """The Arrow array of a chunk, sharing its memory where the layouts agree.  A host copy
     is resolved here (waiting for the device if it has not finished: call it in a worker
     thread)."""
-    if type(chunk) is HostCopy:
+    if isinstance(chunk, HostCopy):
         chunk = chunk.resolve()
     column = chunk if isinstance(chunk, Column) else _from_raw(chunk, type_)
     if type_.element is not None:
