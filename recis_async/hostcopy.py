@@ -544,6 +544,6 @@ def _host_view(raw: torch.Tensor, dtype: np.dtype[Any], shape: Any) -> np.ndarra
     if this numpy cannot take that."""
     try:
         flat = np.from_dlpack(raw)
-    except (RuntimeError, TypeError, BufferError):
+    except (RuntimeError, TypeError, ValueError, BufferError):
         flat = raw.numpy()
     return flat.view(dtype).reshape(shape)

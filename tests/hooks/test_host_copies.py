@@ -181,3 +181,44 @@ async def test_the_step_thread_reads_no_tensor_value_on_ordinary_steps(tmp_path:
     table = pads.dataset(tmp_path / "pq" / "t", format="parquet").to_table()
     assert table.num_rows == 30 * 16
     assert [r.step for r in read_records(tracker.tracker.run_dir / "metrics.jsonl")] == list(range(30))  # type: ignore[attr-defined]
+
+
+def test_host_copies_are_checked_against_the_table_by_their_metadata() -> None:
+    from recis_async.hostcopy import HostBufferPool
+    from recis_async.trace.buffer import ColumnBuffer
+
+    pool = HostBufferPool()
+    buffer = ColumnBuffer(["id", "small", "emb", "flag"], ["bigint", "int", "array<float>", "boolean"])
+
+    def step(**columns: torch.Tensor) -> dict[str, object]:
+        base = {
+            "id": torch.arange(3, dtype=torch.int32),  # widened to bigint: no read needed
+            "small": torch.arange(3, dtype=torch.int32),
+            "emb": torch.ones(3, 2, dtype=torch.bfloat16),
+            "flag": torch.tensor([True, False, True]),
+        }
+        return {k: pool.copy(v) for k, v in {**base, **columns}.items()}
+
+    good = step()
+    assert buffer.append(good) == 3
+    assert not any(c.resolved for c in good.values())  # kept unread
+    assert buffer.nbytes == 3 * 4 + 3 * 4 + 6 * 4 + 3  # the resolved arrays' sizes, exactly
+    bad = [
+        ({"id": torch.ones(3)}, r"field 'id' \(bigint\): expected integer values, got float32"),
+        ({"emb": torch.ones(3)}, r"field 'emb' \(array<float>\): expected a 2-D"),
+        ({"small": torch.tensor([0, 1, 2**40])}, r"field 'small' \(int\): expected values within int range"),
+        ({"flag": torch.arange(3) + 5}, r"field 'flag' \(boolean\): expected bool values \(or 0/1\), got 5"),
+        ({"id": torch.arange(4)}, r"expected 3 rows \(from 'small'\)|same number of rows"),
+    ]
+    for columns, message in bad:
+        with pytest.raises(ValueError, match=message):
+            buffer.append(step(**columns))
+    assert buffer.rows == 3  # nothing of a refused step was kept
+    # an int64 tensor whose values fit an ``int`` column is read at the step and accepted
+    assert buffer.append(step(small=torch.tensor([1, 2, 3]))) == 3
+    batch = buffer.seal()
+    assert batch is not None
+    table = batch.to_arrow()
+    assert table.column("small").to_pylist() == [0, 1, 2, 1, 2, 3]
+    assert table.column("emb").to_pylist() == [[1.0, 1.0]] * 6
+    assert batch.nbytes == sum(c.nbytes for chunks in batch.columns for c in chunks)
