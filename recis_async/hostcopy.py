@@ -89,6 +89,15 @@ def resolved_dtype(dtype: torch.dtype) -> np.dtype[Any] | None:
     return None if pair is None else pair[0]
 
 
+def _dtype_plan(dtype: torch.dtype, owner: str) -> tuple[np.dtype[Any], np.dtype[Any], int]:
+    """How a pool copies ``dtype``: the dtype resolved to, the dtype its buffer is read as,
+    and the bytes of one element."""
+    pair = _DTYPES.get(str(dtype).removeprefix("torch."))
+    if pair is None:
+        raise ValueError(f"{owner}: expected a numpy-compatible dtype, got {dtype}")
+    return pair[0], pair[1], pair[1].itemsize
+
+
 class _Slot:
     """One host buffer: the tensor copies land in, its numpy view (made once, when the
     buffer is allocated), its size, and the CUDA event re-recorded after each copy."""
@@ -132,7 +141,6 @@ class HostCopy:
         pool: HostBufferPool,
         slot: _Slot | None,
         event: Any,
-        *,
         dtype: np.dtype[Any],
         shape: tuple[int, ...],
         size: int,
@@ -279,6 +287,7 @@ class HostBufferPool:
         self._parked: list[tuple[_Slot, Any]] = []  # released before the device finished
         self._held = 0  # bytes of every buffer above
         self._step = 0
+        self._dtypes: dict[Any, tuple[np.dtype[Any], np.dtype[Any], int]] = {}  # seen so far
         self._warned_oversize = False
         self._stats = {
             "copies": 0,
@@ -305,26 +314,17 @@ class HostBufferPool:
         if src.requires_grad:
             src = src.detach()
         dtype = src.dtype
-        pair = _DTYPES.get(str(dtype).removeprefix("torch."))
+        pair = self._dtypes.get(dtype)
         if pair is None:
-            raise ValueError(f"{self.owner}: expected a numpy-compatible dtype, got {dtype}")
+            pair = self._dtypes[dtype] = _dtype_plan(dtype, self.owner)
+        resolved, view_dtype, itemsize = pair
         shape = tuple(src.shape)
         device = src.device
         size = src.numel()
         step = self._step
         self._stats["copies"] += 1
         if not size:
-            return HostCopy(
-                self,
-                None,
-                None,
-                dtype=pair[0],
-                shape=shape,
-                size=0,
-                source_dtype=dtype,
-                device=device,
-                step=step,
-            )
+            return HostCopy(self, None, None, resolved, shape, 0, dtype, device, step)
         key = (dtype, shape, device)
         with self._lock:
             free = self._free.pop(key, None)
@@ -332,11 +332,11 @@ class HostBufferPool:
             if free:
                 self._free[key] = free  # back, as the most recently used
         if slot is None:
-            slot = self._allocate(key, pair[1], size * dtype.itemsize, src)
+            slot = self._allocate(key, view_dtype, size * itemsize, src)
         else:
             self._stats["reused"] += 1
         event = None
-        if device.type == "cuda":
+        if src.is_cuda:
             import torch
 
             slot.tensor.copy_(src, non_blocking=True)
@@ -346,17 +346,7 @@ class HostBufferPool:
             event.record(torch.cuda.current_stream(device))
         else:  # the CPU (or a device without events here): a plain copy
             slot.tensor.copy_(src)
-        copy = HostCopy(
-            self,
-            slot,
-            event,
-            dtype=pair[0],
-            shape=shape,
-            size=size,
-            source_dtype=dtype,
-            device=device,
-            step=step,
-        )
+        copy = HostCopy(self, slot, event, resolved, shape, size, dtype, device, step)
         with self._lock:
             self._outstanding[id(copy)] = copy
         return copy
