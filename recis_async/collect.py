@@ -244,12 +244,13 @@ def add_to_trace(name: str, value: Any) -> None:
 
 def _host_copy(collector: StepCollector, caller: str, name: str, value: torch.Tensor) -> HostCopy:
     """Start the copy of a checked tensor into the bus's host buffers (no wait, no read)."""
-    if not collector.host.accepts(value.dtype):
+    try:
+        return collector.host.copy(value)
+    except ValueError:  # only a dtype without a numpy equivalent
         raise ValueError(
             f"{caller}({name!r}): expected a tensor of a numpy-compatible dtype, "
             f"got {value.dtype} (convert it first, e.g. .float())"
-        )
-    return collector.host.copy(value)
+        ) from None
 
 
 def _unmasked(name: str, value: np.ma.MaskedArray) -> np.ndarray:

@@ -15,8 +15,8 @@ gives the buffer back to the pool at once.  ``np.asarray(copy)`` resolves too.
 
 The pool (:class:`HostBufferPool`) holds at most ``max_bytes`` of buffers (default
 :data:`DEFAULT_HOST_BUFFER_BYTES`), pinned when CUDA is available, reused across steps (a
-buffer per dtype, shape and device; the least recently used free ones are dropped for
-others).  At each ``AfterStep`` the copies of earlier steps that are ready are resolved
+buffer per dtype, shape and device; free ones of the oldest shapes are dropped for new
+ones).  At each ``AfterStep`` the copies of earlier steps that are ready are resolved
 (:meth:`HostBufferPool.next_step`), so a buffer is normally back one step after its copy.
 When the buffers in use fill the pool, a copy still gets a buffer (over the bound by at
 most that step's copies; a tensor larger than the whole pool gets a one-off buffer the same
@@ -282,16 +282,15 @@ class HostBufferPool:
         self.owner = owner
         self._pin = pin_memory  # decided on the first buffer: asking CUDA costs at start
         self._lock = threading.Lock()
-        self._free: dict[tuple[Any, ...], list[_Slot]] = {}  # least recently used first
-        self._outstanding: dict[int, HostCopy] = {}  # id -> copy holding a buffer, oldest first
+        self._free: dict[tuple[Any, ...], list[_Slot]] = {}  # per key, in first-use order
+        self._outstanding: dict[HostCopy, None] = {}  # copies holding a buffer, oldest first
         self._parked: list[tuple[_Slot, Any]] = []  # released before the device finished
         self._held = 0  # bytes of every buffer above
         self._step = 0
         self._dtypes: dict[Any, tuple[np.dtype[Any], np.dtype[Any], int]] = {}  # seen so far
         self._warned_oversize = False
+        self._copies = self._reused = 0  # counted on every copy: plain attributes
         self._stats = {
-            "copies": 0,
-            "reused": 0,
             "allocated": 0,
             "over_bound": 0,
             "resolved_on_step": 0,
@@ -322,19 +321,17 @@ class HostBufferPool:
         device = src.device
         size = src.numel()
         step = self._step
-        self._stats["copies"] += 1
+        self._copies += 1
         if not size:
             return HostCopy(self, None, None, resolved, shape, 0, dtype, device, step)
         key = (dtype, shape, device)
         with self._lock:
-            free = self._free.pop(key, None)
+            free = self._free.get(key)
             slot = free.pop() if free else None
-            if free:
-                self._free[key] = free  # back, as the most recently used
         if slot is None:
             slot = self._allocate(key, view_dtype, size * itemsize, src)
         else:
-            self._stats["reused"] += 1
+            self._reused += 1
         event = None
         if src.is_cuda:
             import torch
@@ -348,14 +345,14 @@ class HostBufferPool:
             slot.tensor.copy_(src)
         copy = HostCopy(self, slot, event, resolved, shape, size, dtype, device, step)
         with self._lock:
-            self._outstanding[id(copy)] = copy
+            self._outstanding[copy] = None
         return copy
 
     def _allocate(
         self, key: tuple[Any, ...], view_dtype: np.dtype[Any], nbytes: int, src: Any
     ) -> _Slot:
         """A new buffer of ``nbytes`` for tensors like ``src``; free buffers of other shapes
-        make room first, least recently used first."""
+        make room first, those of the oldest shapes first."""
         import torch
 
         with self._lock:
@@ -383,13 +380,14 @@ class HostBufferPool:
         return _Slot(key, typed, _host_view(raw, view_dtype, src.shape), nbytes)
 
     def _evict(self, limit: int) -> None:
-        """Drop free buffers, least recently used first, until at most ``limit`` bytes are
-        held (or none is free).  Called with the lock held."""
+        """Drop free buffers, those of the oldest keys first, until at most ``limit`` bytes
+        are held (or none is free).  Called with the lock held."""
         free = self._free
         while self._held > limit and free:
             key = next(iter(free))
             slots = free[key]
-            self._held -= slots.pop().nbytes
+            if slots:
+                self._held -= slots.pop().nbytes
             if not slots:
                 del free[key]
 
@@ -397,7 +395,7 @@ class HostBufferPool:
         """``copy`` is done with ``slot``: keep it for reuse (or free it, while the pool is
         over its bound); one whose copy the device has not finished waits for it first."""
         with self._lock:
-            self._outstanding.pop(id(copy), None)
+            self._outstanding.pop(copy, None)
             if event is not None and not event.query():
                 self._parked.append((slot, event))
                 return
@@ -431,7 +429,7 @@ class HostBufferPool:
         if not self._outstanding:
             return
         with self._lock:
-            older = [c for c in self._outstanding.values() if c._step < step]
+            older = [c for c in self._outstanding if c._step < step]
         for copy in older:
             if copy.ready():
                 copy.resolve()
@@ -494,7 +492,7 @@ class HostBufferPool:
                 self._evict(self.max_bytes)
                 if self._held <= self.max_bytes:
                     return False
-                oldest = [c for c in self._outstanding.values() if c.ready()]
+                oldest = [c for c in self._outstanding if c.ready()]
                 waiting = bool(self._outstanding or self._parked)
             if not oldest:
                 return waiting
@@ -514,12 +512,14 @@ class HostBufferPool:
         """Bytes held and in use, copies made, buffers reused and allocated, steps that went
         over the bound, and the time steps waited for room."""
         with self._lock:
-            in_use = sum(c._slot.nbytes for c in self._outstanding.values() if c._slot)
+            in_use = sum(c._slot.nbytes for c in self._outstanding if c._slot)
         return {
             "max_bytes": self.max_bytes,
             "held_bytes": self._held,
             "in_use_bytes": in_use,
             "pinned": bool(self._pin),
+            "copies": self._copies,
+            "reused": self._reused,
             **self._stats,
             "backpressure_wait_s": self._wait_s,
         }
