@@ -29,9 +29,10 @@ import msgspec
 from anyio.abc import TaskGroup
 
 from . import collect, dist, routes
-from ._checks import boolean, positive_number
+from ._checks import boolean, positive_int, positive_number
 from ._checks import on_error as check_on_error
 from .collect import StepCollector
+from .hostcopy import DEFAULT_HOST_BUFFER_BYTES
 from .console import TRACEBACKS_LOGGED, log_failure
 from .errors import HookError, OnError
 from .events import LIFECYCLE, AfterStep, End, Error, Event, method_name
@@ -69,17 +70,31 @@ class HookBus:
     block raises ``SystemExit(128 + signal)`` (143 for SIGTERM, 130 for SIGINT).  A second
     signal cancels the body and closes at once: services spill what they still hold.
 
+    Tensors given to ``add_to_trace`` / ``add_to_ml_tracker`` are copied to host buffers
+    without waiting for the device (:mod:`recis_async.hostcopy`); ``host_buffer_bytes``
+    bounds those buffers: a step that fills them waits at its ``publish(AfterStep)`` until the
+    device has finished the oldest copies.
+
     Args:
         flush_timeout: seconds close may take to drain every background service.
         handle_signals: turn SIGTERM/SIGINT into a graceful stop (see above).
+        host_buffer_bytes: the bound of the host buffers tensors are copied into (default
+            64 MiB, pinned when CUDA is available).
 
     Raises:
         TypeError: a ``flush_timeout`` that is not a number, a ``handle_signals`` that is not a
-            bool.
-        ValueError: a ``flush_timeout`` that is not finite and positive.
+            bool, a ``host_buffer_bytes`` that is not an int.
+        ValueError: a ``flush_timeout`` that is not finite and positive, a
+            ``host_buffer_bytes`` below 1.
     """
 
-    def __init__(self, flush_timeout: float = 60.0, *, handle_signals: bool = True) -> None:
+    def __init__(
+        self,
+        flush_timeout: float = 60.0,
+        *,
+        handle_signals: bool = True,
+        host_buffer_bytes: int = DEFAULT_HOST_BUFFER_BYTES,
+    ) -> None:
         self.flush_timeout = positive_number("HookBus", "flush_timeout", flush_timeout)
         self._handle_signals = boolean("HookBus", "handle_signals", handle_signals)
         self._subs: list[Subscription] = []
@@ -92,7 +107,8 @@ class HookBus:
         self._state = "new"  # new -> open [-> ended: End published by hand] -> closing -> closed
         self._end_published = False
         self._unawaited: Coroutine[Any, Any, None] | None = None  # see publish()
-        self._collector = StepCollector()
+        positive_int("HookBus", "host_buffer_bytes", host_buffer_bytes)
+        self._collector = StepCollector(host_buffer_bytes)
         self._token: Token[StepCollector | None] | None = None
         self._stop_reason: str | None = None
         self._signals = StopSignals(
@@ -547,10 +563,12 @@ class HookBus:
             if kind == KIND_AFTER_STEP:
                 if self._collector.pending:
                     event = self._with_collected(cast(AfterStep, event))
+                    if self._collector.host.full:  # back-pressure: the device is behind
+                        await self._collector.host.make_room(self._stopping)
             elif kind == KIND_BEFORE_STEP:
                 self._collector.begin_step(event.is_train)
             elif kind == KIND_OUT_OF_DATA:
-                self._collector.take()  # the step did not happen: drop what it collected
+                self._collector.drop()  # the step did not happen: drop what it collected
             else:  # End: every subscriber receives it, even when one fails
                 if self._end_published:
                     raise RuntimeError("publish(End): End was already published on this bus")
@@ -724,7 +742,8 @@ class HookBus:
 
     # ------------------------------------------------------------------ observability
     def stats(self) -> dict[str, Any]:
-        """Per subscriber calls, errors, total and max seconds; per service its own stats."""
+        """Per subscriber calls, errors, total and max seconds; per service its own stats; the
+        host buffer pool's (``host_buffers``: bytes held, copies, waits for room)."""
         subscribers: dict[str, dict[str, Any]] = {}
         for sub in sorted(self._subs, key=lambda s: s.seq):
             subscribers[_unique(subscribers, sub.name)] = {
@@ -737,7 +756,8 @@ class HookBus:
         services: dict[str, Mapping[str, Any]] = {}
         for service in self._services:
             services[_unique(services, service.name)] = dict(service.stats())
-        return {"subscribers": subscribers, "services": services}
+        host = self._collector.host.stats()
+        return {"subscribers": subscribers, "services": services, "host_buffers": host}
 
     def describe(self) -> str:
         """The effective order of subscribers for every event type that has any."""

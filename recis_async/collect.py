@@ -17,6 +17,7 @@ import torch
 
 from .aggregate import Reduction, check_reduction
 from .events import _METRIC_DTYPES
+from .hostcopy import DEFAULT_HOST_BUFFER_BYTES, HostBufferPool, HostCopy, resolved_dtype
 
 __all__ = [
     "StepCollector",
@@ -30,34 +31,48 @@ __all__ = [
 
 
 class StepCollector:
-    """What one step collected; owned by one bus."""
+    """What one step collected; owned by one bus, with the pool of host buffers its tensors
+    are copied into (``host``, see :mod:`recis_async.hostcopy`)."""
 
-    __slots__ = ("is_train", "metrics", "open", "reduce", "trace", "tracked")
+    __slots__ = ("host", "is_train", "metrics", "open", "reduce", "trace", "tracked")
 
-    def __init__(self) -> None:
+    def __init__(self, host_buffer_bytes: int = DEFAULT_HOST_BUFFER_BYTES) -> None:
         self.metrics: dict[str, Any] = {}
         self.reduce: dict[str, Any] = {}  # only metrics added with a reduction other than mean
         self.trace: dict[str, Any] = {}
         self.tracked: dict[str, Any] = {}
         self.open = True
         self.is_train = True
+        self.host = HostBufferPool(host_buffer_bytes, owner="HookBus host buffers")
 
     def begin_step(self, is_train: bool) -> None:
         """A step starts; values left from a step of the other kind (train vs eval) are
         dropped so evaluation never carries training values, and vice versa."""
         if is_train != self.is_train:
             self.is_train = is_train
-            self.take()
+            self.drop()
 
     @property
     def pending(self) -> bool:
         return bool(self.metrics or self.trace or self.tracked)
 
     def take(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
-        """Hand over the step's metrics, trace, tracked values and reductions; start empty."""
+        """Hand over the step's metrics, trace, tracked values and reductions; start empty.
+        The host copies of earlier steps that are ready are resolved now (see
+        :meth:`~recis_async.hostcopy.HostBufferPool.next_step`)."""
         taken = (self.metrics, self.trace, self.tracked, self.reduce)
         self.metrics, self.trace, self.tracked, self.reduce = {}, {}, {}, {}
+        self.host.next_step()
         return taken
+
+    def drop(self) -> None:
+        """Forget what was collected (the step did not happen, or is of the other kind): the
+        host copies nobody will see give their buffers back."""
+        for values in (self.trace, self.tracked):
+            for value in values.values():
+                if type(value) is HostCopy:
+                    value.release()
+        self.metrics, self.trace, self.tracked, self.reduce = {}, {}, {}, {}
 
 
 _current: ContextVar[StepCollector | None] = ContextVar("recis_async_collector", default=None)
@@ -205,7 +220,12 @@ def _metric_value(name: str, value: Any, reduce: Reduction) -> Any:
 
 def add_to_trace(name: str, value: Any) -> None:
     """Record a trace column for the current step (``AfterStep.trace``): a tensor, numpy array
-    or list, one entry per row.  The value is copied, so later in-place updates do not leak.
+    or list, one entry per row.  The value is the one at this call: later in-place updates do
+    not leak.
+
+    A tensor, on any device, starts a non-blocking copy into a host buffer of the bus's pool
+    and is recorded as a :class:`~recis_async.hostcopy.HostCopy` (resolved off the step; see
+    :mod:`recis_async.hostcopy`); numpy arrays and lists are copied as numpy arrays.
 
     A column is recorded once per step: a second call with the same name before the step's
     ``AfterStep`` is refused (it would silently replace the first).  A masked numpy array is
@@ -221,16 +241,17 @@ def add_to_trace(name: str, value: Any) -> None:
             f"one before AfterStep (the first would be silently replaced): concatenate the "
             f"values and call add_to_trace once"
         )
-    # one copy into memory the trace owns; the hot path is kept short on purpose (it runs
-    # every step, right after the model's compute, when Python's code is out of cache)
-    if type(value) is torch.Tensor:
-        try:  # a CPU tensor without grad, conjugate or negative bits: the cheap way
-            array = value.numpy().copy()
-        except (RuntimeError, TypeError, NotImplementedError):  # e.g. meta: named below
-            array = _tensor_copy("add_to_trace", name, value)
-    elif isinstance(value, torch.Tensor):
-        array = _tensor_copy("add_to_trace", name, value)
-    elif isinstance(value, np.ma.MaskedArray):
+    # the hot path is kept short on purpose (it runs every step, right after the model's
+    # compute, when Python's code is out of cache)
+    if isinstance(value, torch.Tensor):
+        _check_tensor("add_to_trace", name, value)
+        if value.dim() == 0:
+            raise ValueError(
+                f"add_to_trace({name!r}): expected one entry per row (1-D or 2-D), got a scalar"
+            )
+        collector.trace[name] = _host_copy(collector, "add_to_trace", name, value)
+        return
+    if isinstance(value, np.ma.MaskedArray):
         array = _unmasked(name, value)
     elif isinstance(value, np.ndarray):
         array = value.copy()
@@ -247,6 +268,17 @@ def add_to_trace(name: str, value: Any) -> None:
         )
     array.flags.writeable = False  # ours alone: hooks may keep it without another copy
     collector.trace[name] = array
+
+
+def _host_copy(collector: StepCollector, caller: str, name: str, value: torch.Tensor) -> HostCopy:
+    """Start the copy of a checked tensor into the bus's host buffers (no wait, no read)."""
+    try:
+        return collector.host.copy(value)
+    except ValueError:  # only a dtype without a numpy equivalent
+        raise ValueError(
+            f"{caller}({name!r}): expected a tensor of a numpy-compatible dtype, "
+            f"got {value.dtype} (convert it first, e.g. .float())"
+        ) from None
 
 
 def _unmasked(name: str, value: np.ma.MaskedArray) -> np.ndarray:
@@ -293,11 +325,24 @@ def _tensor_copy(caller: str, name: str, value: torch.Tensor) -> np.ndarray:
 
 def add_to_ml_tracker(name: str, value: Any) -> None:
     """Record a value for the experiment tracker (``AfterStep.tracked``): a number, tensor,
-    numpy array or list; arrays become lists."""
+    numpy array or list; arrays become lists.  A tensor, on any device, is copied to the host
+    without waiting (a :class:`~recis_async.hostcopy.HostCopy`, as for :func:`add_to_trace`)
+    and converted to the tracker's float off the step: one element as a number, more as an
+    array."""
     collector = current_collector("add_to_ml_tracker")
     _check_name("add_to_ml_tracker", name)
     if type(value) is float or type(value) is int:  # the common case, kept cheap on the step
         collector.tracked[name] = value
+        return
+    if isinstance(value, torch.Tensor):
+        _check_tensor("add_to_ml_tracker", name, value)
+        resolved = resolved_dtype(value.dtype)
+        if resolved is not None and resolved.kind not in "biuf":
+            raise ValueError(
+                f"add_to_ml_tracker({name!r}): expected a tensor of real numbers, "
+                f"got {value.dtype}"
+            )
+        collector.tracked[name] = _host_copy(collector, "add_to_ml_tracker", name, value)
         return
     converted = _scalar_or_array("add_to_ml_tracker", name, value)
     if isinstance(converted, np.ndarray):

@@ -2,8 +2,9 @@
 
 Each event maps 1:1 to a :class:`~recis_async.hook.Hook` method named as the class in
 snake_case (``AfterStep`` -> ``Hook.after_step``).  Events hold plain values (ints, floats,
-strings, dicts of those, and numpy arrays in ``AfterStep.trace``); no tensors are shared
-between hooks.  Users define their own events by subclassing :class:`Event`.
+strings, dicts of those, and numpy arrays in ``AfterStep.trace``, tensors on their way to the
+host as :class:`~recis_async.hostcopy.HostCopy` s in ``trace`` and ``tracked``); no tensors
+are shared between hooks.  Users define their own events by subclassing :class:`Event`.
 
 ``LIFECYCLE`` lists the built-in events in the order a run publishes them; ``EndStatus`` is
 how a run ended (``End.status``); ``NonNegativeInt`` is the checked ``int >= 0`` of steps,
@@ -19,6 +20,8 @@ from typing import Annotated, Any, Final, Literal, get_args
 import msgspec
 import numpy as np
 import torch
+
+from .hostcopy import HostCopy
 
 __all__ = [
     "LIFECYCLE",
@@ -179,11 +182,13 @@ class AfterStep(StepEvent, frozen=True, kw_only=True):
     ``samples`` is the batch size, so throughput is samples/s.  ``metrics`` values are
     numbers, str, lists, numpy arrays or dense numeric tensors on any device (kept there:
     hooks accumulate them on the device and read them once per window, off the step, never
-    on an ordinary step); ``tracked`` values numbers or lists;
-    ``trace`` values arrays or lists of one entry per row (checked against the table by the
-    trace hooks).  ``reduce`` maps a metric to how an evaluation pass combines it
-    (``add_metric(..., reduce=...)``); metrics not named there are averaged, weighted by
-    ``samples``.
+    on an ordinary step); ``tracked`` values numbers, lists or
+    :class:`~recis_async.hostcopy.HostCopy` s (tensors on their way to the host); ``trace``
+    values arrays, lists or ``HostCopy`` s of one entry per row (checked against the table by
+    the trace hooks).  A ``HostCopy`` is read with ``np.asarray(value)``, which waits for the
+    device: do it in a worker thread, or once ``value.ready()``.  ``reduce`` maps a metric to
+    how an evaluation pass combines it (``add_metric(..., reduce=...)``); metrics not named
+    there are averaged, weighted by ``samples``.
     """
 
     samples: NonNegativeInt = 0
@@ -226,7 +231,7 @@ class AfterStep(StepEvent, frozen=True, kw_only=True):
             _check_values(self, "trace", v, _is_trace, _TRACE)
         elif v:
             for k, x in v.items():
-                if type(k) is not str or type(x) is not np.ndarray:
+                if type(k) is not str or (type(x) is not np.ndarray and type(x) is not HostCopy):
                     _check_values(self, "trace", v, _is_trace, _TRACE)
                     break
         v = self.tracked
@@ -234,7 +239,9 @@ class AfterStep(StepEvent, frozen=True, kw_only=True):
             _check_values(self, "tracked", v, _is_tracked, _TRACKED)
         elif v:
             for k, x in v.items():
-                if type(k) is not str or (type(x) is not float and type(x) is not int):
+                if type(k) is not str or (
+                    type(x) is not float and type(x) is not int and type(x) is not HostCopy
+                ):
                     _check_values(self, "tracked", v, _is_tracked, _TRACKED)
                     break
         v = self.reduce
@@ -327,8 +334,8 @@ def _bad(event: object, field: str, expected: str, value: object) -> Exception:
 
 _METRIC = "a dict of str -> number, str, list, numpy array or dense numeric tensor"
 _PLAIN_METRIC = "a dict of str -> number, str, list or numpy array (values read already)"
-_TRACE = "a dict of str -> numpy array or list (one entry per row)"
-_TRACKED = "a dict of str -> number or list"
+_TRACE = "a dict of str -> numpy array, list or HostCopy (one entry per row)"
+_TRACKED = "a dict of str -> number, list or HostCopy"
 _REDUCE = "a dict of str -> 'mean', 'sum', 'max', 'min', 'last' or a callable"
 
 
@@ -380,11 +387,11 @@ def _is_reduction(value: object) -> bool:
 
 
 def _is_trace(value: object) -> bool:
-    return isinstance(value, np.ndarray | list)
+    return isinstance(value, np.ndarray | list | HostCopy)
 
 
 def _is_tracked(value: object) -> bool:
-    return isinstance(value, int | float | list)
+    return isinstance(value, int | float | list | HostCopy)
 
 
 def _metrics_ok(values: dict[str, Any]) -> bool:

@@ -8,6 +8,7 @@ import torch
 
 from recis_async import HookBus, add_metric, add_to_ml_tracker, add_to_trace
 from recis_async.events import AfterStep, BeforeStep, OutOfData
+from recis_async.hostcopy import HostCopy
 from recis_async.window import read_values
 
 pytestmark = pytest.mark.anyio
@@ -29,10 +30,12 @@ async def test_collected_values_attach_to_the_next_after_step_then_clear() -> No
     first, second = seen
     assert isinstance(first.metrics["loss"], torch.Tensor)  # kept on its device, not read
     assert read_values(first.metrics) == {"loss": 0.5, "lr": 0.1}
-    assert isinstance(first.trace["user_id"], np.ndarray)
-    assert first.trace["user_id"].tolist() == [1, 2, 3]
-    assert first.trace["emb"].tolist() == [[0, 1], [2, 3], [4, 5]]
-    assert first.tracked == {"auc": 0.75, "hist": [1.0, 2.0]}
+    # tensors reach AfterStep as host copies (issue 23), read with np.asarray
+    assert isinstance(first.trace["user_id"], HostCopy)
+    assert np.asarray(first.trace["user_id"]).tolist() == [1, 2, 3]
+    assert np.asarray(first.trace["emb"]).tolist() == [[0, 1], [2, 3], [4, 5]]
+    assert first.tracked["auc"] == 0.75
+    assert np.asarray(first.tracked["hist"]).tolist() == [1.0, 2.0]
     assert second.metrics == {} and second.trace == {} and second.tracked == {}
 
 
@@ -154,7 +157,7 @@ async def test_trace_tensors_of_every_kind_are_copied_as_their_values() -> None:
         with pytest.raises(ValueError, match=r"add_to_trace\(.f8.\): .*got torch.float8_e4m3fn"):
             add_to_trace("f8", torch.ones(2, dtype=torch.float8_e4m3fn))
         await bus.publish(AfterStep())
-    trace = seen[0].trace
+    trace = {name: np.asarray(value) for name, value in seen[0].trace.items()}
     assert trace["w"].tolist() == [1.0, 2.0]
     assert trace["conj"].tolist() == [1 - 2j, 3 + 1j]
     assert trace["neg"].tolist() == [-2.0, 1.0]

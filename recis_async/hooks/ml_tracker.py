@@ -2,7 +2,10 @@
 
 On each training ``AfterStep`` the step's ``tracked`` values are checked (names and numbers,
 so bad input fails at that publish) and buffered; a :class:`~recis_async.trackers.TrackerService`
-hands them to the tracker in a worker thread, batched.  ``AfterEval`` metrics are logged
+hands them to the tracker in a worker thread, batched.  Tensors arrive as
+:class:`~recis_async.hostcopy.HostCopy` s and are read in that worker thread (or by a later
+step once their copy is done), never by the step: ``bfloat16`` / ``float16`` values become
+the tracker's float there.  ``AfterEval`` metrics are logged
 under ``eval/``.  ``End.status`` decides how the run ends (MLflow: FINISHED / FAILED /
 KILLED).  Other hooks send their own values with :meth:`MLTrackerHook.log_metrics`.
 
@@ -19,8 +22,6 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from ..errors import OnError
 from ..events import AfterEval, AfterLoadCheckpoint, AfterStep, End, Start
 from ..hook import Hook
@@ -32,6 +33,7 @@ from ..trackers.base import (
     flatten_params,
     to_tracked_value,
     tracker_location,
+    value_nbytes,
 )
 from ..trackers.service import check_settings, default_spill_dir
 
@@ -248,9 +250,9 @@ class MLTrackerHook(Hook):
                     check_metric_name(full, where=f"{where} key")
                     names.add(full)
                 if type(value) is not float:  # floats (the common case) need no conversion
+                    # a tensor's HostCopy is kept as it is: the service's worker resolves it
                     value = to_tracked_value(key, value, where=where)
-                    if isinstance(value, np.ndarray):
-                        nbytes += value.nbytes
+                    nbytes += value_nbytes(value)
                 checked[full] = value
                 nbytes += VALUE_OVERHEAD + len(full)
         if checked:

@@ -6,7 +6,11 @@ leaves the buffer exactly as it was.  Accepted steps are kept as per-step chunks
 one copy of the caller's data, no concatenation; see :data:`~recis_async.trace.schema.Chunk`)
 and their size is counted exactly in bytes.  :meth:`ColumnBuffer.seal` hands them over as
 a :class:`Batch`: frozen, with read-only arrays, numbered by ``seq`` -- the unit a writer
-delivers, retries and spills.
+delivers, retries and spills.  A step's tensors arrive as
+:class:`~recis_async.hostcopy.HostCopy` s, checked by their dtype and shape alone; they are
+resolved by a later step once ready (the bus's pool does it) or by the writer's worker
+thread when it lays the batch out (:meth:`Batch.to_arrow`), never by the step waiting on the
+device.
 """
 
 from __future__ import annotations
@@ -18,21 +22,33 @@ import msgspec
 import numpy as np
 import pyarrow as pa
 
+from ..hostcopy import HostCopy
 from .schema import (
     _OFFSET_MAX,
     Chunk,
     OdpsType,
     arrow_schema,
+    chunk_rows,
     convert,
     fast_dtype,
     freeze,
     from_arrow,
+    host_chunk,
     parse_schema,
     prepare_conversion,
     to_arrow,
 )
 
 __all__ = ["Batch", "ColumnBuffer"]
+
+
+def _chunk(field: str, type_: OdpsType, value: object) -> Chunk:
+    """One field's chunk on the full path: a host copy whose metadata fits is kept as it
+    is (resolved later, off the step); anything else is converted (a host copy resolved
+    first, at the step: its values decide, e.g. whether int64 values fit an ``int``)."""
+    if type(value) is HostCopy and (chunk := host_chunk(type_, value)) is not None:
+        return chunk
+    return convert(field, type_, value)
 
 
 class Batch(msgspec.Struct, frozen=True, kw_only=True):
@@ -61,7 +77,8 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True):
 
     def to_arrow(self) -> pa.Table:
         """The rows as an Arrow table (one record batch per buffered step); the memory is
-        shared, except where a raw chunk is cast to its field's stored type."""
+        shared, except where a raw chunk is cast to its field's stored type.  Host copies are
+        resolved (waiting for the device if needed): a writer calls it in a worker thread."""
         arrays = [
             pa.chunked_array([to_arrow(c, t) for c in chunks], type=t.arrow_type)
             for chunks, t in zip(self.columns, self.types, strict=True)
@@ -180,10 +197,12 @@ class ColumnBuffer:
                 f"(declared: {', '.join(self.fields)})"
             )
         pairs = zip(self.fields, self.types, strict=True)
-        columns = tuple(convert(f, t, trace[f]) for f, t in pairs)
-        rows = columns[0].rows
-        if any(c.rows != rows for c in columns):
-            counts = ", ".join(f"{f}={c.rows}" for f, c in zip(self.fields, columns, strict=True))
+        columns = tuple(_chunk(f, t, trace[f]) for f, t in pairs)
+        rows = chunk_rows(columns[0])
+        if any(chunk_rows(c) != rows for c in columns):
+            counts = ", ".join(
+                f"{f}={chunk_rows(c)}" for f, c in zip(self.fields, columns, strict=True)
+            )
             raise ValueError(
                 f"trace fields must have the same number of rows: expected {rows} rows "
                 f"(from {self.fields[0]!r}) in every field, got {counts}"
@@ -191,32 +210,45 @@ class ColumnBuffer:
         return columns, rows
 
     def _fast(self, trace: Mapping[str, object]) -> tuple[tuple[Chunk, ...], int] | None:
-        """The common step, checked in one flat pass and kept as raw arrays (see
-        :data:`~recis_async.trace.schema.Chunk`): every declared field a numpy array of its stored
-        dtype, or of a number type cast to a floating point one, 1-D (2-D for
-        ``array<...>``), all with one row count.  The arrays are copied only if the caller
-        could still change them; casting and laying out happen in the writer.  It runs on
-        every step right after the model's compute, when little of Python is in cache, so
-        it touches as little as it can.  Anything else -- and every error -- goes the full
-        way through :func:`~recis_async.trace.schema.convert`."""
+        """The common step, checked in one flat pass and kept as raw arrays or host copies
+        (see :data:`~recis_async.trace.schema.Chunk`): every declared field a numpy array
+        (or a :class:`~recis_async.hostcopy.HostCopy`) of its stored dtype, or of a number
+        type cast to a floating point one, 1-D (2-D for ``array<...>``), all with one row
+        count.  Arrays are copied only if the caller could still change them; host copies
+        are checked by their metadata, never read; casting and laying out happen in the
+        writer.  It runs on every step right after the model's compute, when little of
+        Python is in cache, so it touches as little as it can.  Anything else -- and every
+        error -- goes the full way through :func:`~recis_async.trace.schema.convert`."""
         if len(trace) != len(self.fields):
             return None
-        arrays = []
+        arrays: list[Chunk] = []
         rows = -1
         for field, dtype, ndim in self._plan:
             value = trace.get(field)
-            if type(value) is not np.ndarray or dtype is None or value.ndim != ndim:
+            if type(value) is np.ndarray:
+                if dtype is None or value.ndim != ndim:
+                    return None
+                if ndim == 2 and value.size > _OFFSET_MAX:
+                    return None  # too many elements for int32 offsets: convert says so
+                if value.dtype != dtype and (dtype.kind != "f" or value.dtype.kind not in "fiu"):
+                    return None  # integer narrowing, bools...: checked by convert
+                chunk: Chunk = freeze(value)
+            elif type(value) is HostCopy:
+                if dtype is None or value.ndim != ndim:
+                    return None
+                if ndim == 2 and value.size > _OFFSET_MAX:
+                    return None
+                if value.dtype != dtype and (dtype.kind != "f" or value.dtype.kind not in "fiu"):
+                    return None  # widening ints and the rest: the slow path's host_chunk
+                chunk = value
+            else:
                 return None
-            if ndim == 2 and value.size > _OFFSET_MAX:
-                return None  # too many elements for int32 offsets: convert says so
-            if value.dtype != dtype and (dtype.kind != "f" or value.dtype.kind not in "fiu"):
-                return None  # integer narrowing, bools...: checked by convert
             n = len(value)
             if n != rows:
                 if rows >= 0:
                     return None
                 rows = n
-            arrays.append(freeze(value))
+            arrays.append(chunk)
         return tuple(arrays), rows
 
     def append(self, trace: Mapping[str, object], step: int | None = None) -> int:
@@ -228,7 +260,7 @@ class ColumnBuffer:
         chunks, rows = self.validate(trace)
         if rows == 0:
             return 0
-        nbytes = 0
+        nbytes = 0  # a host copy counts as its resolved array: exact before and after
         for held, chunk in zip(self._chunks, chunks, strict=True):
             held.append(chunk)
             nbytes += chunk.nbytes

@@ -46,6 +46,8 @@ from typing import Any, Final, TypeAlias
 import numpy as np
 import pyarrow as pa
 
+from ..hostcopy import HostCopy
+
 __all__ = [
     "OdpsType",
     "Column",
@@ -54,6 +56,8 @@ __all__ = [
     "parse_schema",
     "prepare_conversion",
     "convert",
+    "host_chunk",
+    "chunk_rows",
     "to_arrow",
     "from_arrow",
     "arrow_schema",
@@ -162,9 +166,13 @@ class Column:
 
 #: One step's rows of one field as a buffer holds them: a converted :class:`Column`, or a raw
 #: array the buffer's per-step fast path accepted -- read-only, owning its memory, of a number
-#: type that casts to the field's stored one, 1-D (2-D ``(rows, n)`` for ``array<...>``).  A
-#: raw chunk is cast and laid out by :func:`to_arrow`, in the writer, off the training step.
-Chunk: TypeAlias = "Column | np.ndarray"
+#: type that casts to the field's stored one, 1-D (2-D ``(rows, n)`` for ``array<...>``) --
+#: or a :class:`~recis_async.hostcopy.HostCopy` meeting the same rules by its metadata (see
+#: :func:`host_chunk`), whose values may still be on their way from the device.  A raw chunk is
+#: cast and laid out by :func:`to_arrow`, in the writer, off the training step; a host copy is
+#: resolved there too, unless a later step found it ready first.  Its ``nbytes`` is the size
+#: of its resolved array, so a buffer's count stays exact whichever happens.
+Chunk: TypeAlias = "Column | np.ndarray | HostCopy"
 
 
 # ---------------------------------------------------------------------------------------
@@ -506,6 +514,32 @@ def freeze(value: np.ndarray) -> np.ndarray:
     return _readonly(value.copy())
 
 
+def host_chunk(type_: OdpsType, copy: HostCopy) -> HostCopy | None:
+    """``copy`` itself if its dtype and shape alone make it a valid chunk of ``type_`` (a
+    number type that casts to the stored one without a range check: the same, a wider
+    integer, or any number into a floating point type; 1-D, or 2-D for
+    ``array<...>``), else None: such a copy is resolved at the step and converted by
+    :func:`convert`, which checks its values or names what is wrong."""
+    dtype = _FAST_DTYPES.get((type_.element or type_).name)
+    if dtype is None:
+        return None
+    kind = copy.dtype.kind
+    if copy.dtype != dtype:
+        widening = kind in "iu" and dtype.kind == "i" and np.can_cast(copy.dtype, dtype)
+        if not widening and (dtype.kind != "f" or kind not in "fiu"):
+            return None  # integer narrowing, ints into booleans, floats into ints...
+    if copy.ndim != (1 if type_.element is None else 2):
+        return None
+    if type_.element is not None and copy.size > _OFFSET_MAX:
+        return None
+    return copy
+
+
+def chunk_rows(chunk: Chunk) -> int:
+    """The rows a chunk holds."""
+    return chunk.rows if isinstance(chunk, Column) else len(chunk)
+
+
 def _fast(type_: OdpsType, value: np.ndarray) -> Column | None:
     """The common case without checks: a numeric array already of the stored dtype."""
     element = type_.element
@@ -531,10 +565,13 @@ def _from_raw(value: np.ndarray, type_: OdpsType) -> Column:
 
 
 def convert(field: str, type_: OdpsType, value: object) -> Column:
-    """Convert one step's value for ``field`` into an owned, read-only :class:`Column`.
+    """Convert one step's value for ``field`` into an owned, read-only :class:`Column`.  A
+    :class:`~recis_async.hostcopy.HostCopy` is resolved first (waiting for its copy).
 
     Raises ``ValueError`` naming the field, the declared type and what arrived.
     """
+    if type(value) is HostCopy:
+        value = value.resolve()
     if type(value) is np.ndarray and (column := _fast(type_, value)) is not None:
         return column
     value = _as_array(value)
@@ -578,7 +615,11 @@ def _leaf_to_arrow(
 
 
 def to_arrow(chunk: Chunk, type_: OdpsType) -> pa.Array:
-    """The Arrow array of a chunk, sharing its memory where the layouts agree."""
+    """The Arrow array of a chunk, sharing its memory where the layouts agree.  A host copy
+    is resolved here (waiting for the device if it has not finished: call it in a worker
+    thread)."""
+    if isinstance(chunk, HostCopy):
+        chunk = chunk.resolve()
     column = chunk if isinstance(chunk, Column) else _from_raw(chunk, type_)
     if type_.element is not None:
         outer, *inner = column.offsets

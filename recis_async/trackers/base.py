@@ -19,6 +19,7 @@ import msgspec
 import numpy as np
 
 from ..events import EndStatus
+from ..hostcopy import HostCopy
 
 __all__ = [
     "RunSpec",
@@ -28,6 +29,7 @@ __all__ = [
     "flatten_params",
     "to_tracked_value",
     "record_nbytes",
+    "resolve_records",
     "append_jsonl",
 ]
 
@@ -48,7 +50,10 @@ class StepRecord(msgspec.Struct, frozen=True):
     """The values logged for one step.
 
     ``time`` is wall-clock seconds since the epoch (trackers store it as the point's
-    timestamp).  A value is a float or a float64 numpy array (histograms / arrays).
+    timestamp).  A value is a float or a float64 numpy array (histograms / arrays); while a
+    record waits in :class:`~recis_async.trackers.TrackerService` it may also hold a
+    :class:`~recis_async.hostcopy.HostCopy`, resolved by :func:`resolve_records` in the
+    service's worker thread before a tracker sees it.
     """
 
     step: int
@@ -138,14 +143,22 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def to_tracked_value(name: str, value: object, *, where: str) -> float | np.ndarray:
-    """Normalise one tracked value: numbers become ``float``, sequences float64 arrays.
+def to_tracked_value(name: str, value: object, *, where: str) -> float | np.ndarray | HostCopy:
+    """Normalise one tracked value: numbers become ``float``, sequences float64 arrays; a
+    :class:`~recis_async.hostcopy.HostCopy` of numbers is kept as it is (not read here: see
+    :func:`resolve_records`).
 
     Raises ``TypeError`` naming ``where[name]`` for anything else (strings, dicts, ragged
-    lists), so bad input fails at the publish that carried it.
+    lists, a host copy of complex numbers), so bad input fails at the publish that carried it.
     """
     if isinstance(value, (bool, int, float, np.number, np.bool_)):
         return float(value)
+    if type(value) is HostCopy:
+        if value.dtype.kind not in "biuf":
+            raise TypeError(
+                f"{where}[{name!r}]: expected a tensor of real numbers, got {value.source_dtype}"
+            )
+        return value
     if isinstance(value, (list, tuple, np.ndarray)):
         try:
             arr = np.asarray(value, dtype=np.float64)
@@ -163,6 +176,42 @@ def to_tracked_value(name: str, value: object, *, where: str) -> float | np.ndar
     )
 
 
+def host_value(copy: HostCopy) -> float | np.ndarray:
+    """A tracked host copy as the tracker's value, waiting for it if needed (call it in a
+    worker thread): one element as a float, more as a float64 array (``bfloat16`` and
+    ``float16`` widened exactly)."""
+    array = copy.resolve()
+    if array.size == 1:
+        return float(array.reshape(-1)[0])
+    return array.astype(np.float64)
+
+
+def value_nbytes(value: object) -> int:
+    """The payload bytes a tracked value counts for (a host copy: the float64 array it will
+    become; a number: none beyond :data:`VALUE_OVERHEAD`)."""
+    if isinstance(value, np.ndarray):
+        return int(value.nbytes)
+    if type(value) is HostCopy and value.size != 1:
+        return 8 * value.size
+    return 0
+
+
+def resolve_records(records: Sequence[StepRecord]) -> Sequence[StepRecord]:
+    """``records`` with every host copy replaced by its value (:func:`host_value`); the same
+    sequence when none holds one.  Blocks on the device when a copy is not ready: the tracker
+    service calls it in its worker thread."""
+    if not any(type(v) is HostCopy for r in records for v in r.values.values()):
+        return records
+    return [
+        StepRecord(
+            r.step,
+            r.time,
+            {k: host_value(v) if type(v) is HostCopy else v for k, v in r.values.items()},
+        )
+        for r in records
+    ]
+
+
 RECORD_OVERHEAD = 64  # bytes counted per record besides its values
 VALUE_OVERHEAD = 48  # bytes counted per value besides its name and array payload
 
@@ -171,9 +220,7 @@ def record_nbytes(record: StepRecord) -> int:
     """Bytes a record holds for buffer accounting (payload plus a fixed per-entry cost)."""
     total = RECORD_OVERHEAD
     for key, value in record.values.items():
-        total += VALUE_OVERHEAD + len(key)
-        if isinstance(value, np.ndarray):
-            total += value.nbytes
+        total += VALUE_OVERHEAD + len(key) + value_nbytes(value)
     return total
 
 
@@ -190,7 +237,10 @@ def append_jsonl(
 
 
 def encode_value(obj: Any) -> Any:
-    """``enc_hook`` for msgspec: numpy arrays and scalars become JSON lists / numbers."""
+    """``enc_hook`` for msgspec: numpy arrays and scalars become JSON lists / numbers (a host
+    copy is resolved: encode in a worker thread)."""
+    if type(obj) is HostCopy:
+        obj = host_value(obj)
     if isinstance(obj, np.ndarray):
         return obj.tolist()
     if isinstance(obj, np.generic):

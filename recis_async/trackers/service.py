@@ -39,6 +39,7 @@ from .base import (
     Tracker,
     encode_value,
     record_nbytes,
+    resolve_records,
     tracker_location,
     tracker_target,
 )
@@ -154,7 +155,6 @@ class TrackerService:
         self._disabled = False
         self._limiter = anyio.CapacityLimiter(1)
         self._call: _Call | None = None  # the latest tracker.log call
-        self._encoder = msgspec.json.Encoder(enc_hook=encode_value)
         self._counts = {
             "records": 0,
             "logged": 0,
@@ -346,7 +346,7 @@ class TrackerService:
             self._inflight, self._inflight_bytes = batch, self._pending_bytes
             self._pending.clear()
             self._pending_bytes = 0
-            self._call = call = _Call(self.tracker.log)
+            self._call = call = _Call(self._log)
             try:
                 await self._in_thread(call, batch)
             except Exception as exc:
@@ -384,6 +384,11 @@ class TrackerService:
             if self.on_error == "raise":
                 raise TrackerError(f"{self.name}: tracker.finish failed: {exc!r}") from exc
             logger.error("%s: tracker.finish failed", self.name, exc_info=exc)
+
+    def _log(self, records: Sequence[StepRecord]) -> None:
+        """``tracker.log``, in the worker thread, of the records with their host copies
+        resolved (waiting for the device there, never on the step)."""
+        self.tracker.log(resolve_records(records))
 
     def _urgent(self) -> bool:
         """Send now rather than wait for more records."""
@@ -480,14 +485,17 @@ class TrackerService:
             return None
         if not self._spill_name:
             self._spill_name = f"{self.name.replace('/', '_')}-{os.getpid()}-{secrets.token_hex(4)}"
-        buf = bytearray()
-        for record in records:
-            self._encoder.encode_into(record, buf, -1)
-            buf += b"\n"
-        data, meta = bytes(buf), self._run_meta()
+        meta = self._run_meta()
         name = f"{self._spill_name}{suffix}.jsonl"
 
         def write() -> tuple[Path | None, list[str]]:
+            # encoded here, in the worker thread: host copies are resolved by the encoder
+            encoder = msgspec.json.Encoder(enc_hook=encode_value)
+            buf = bytearray()
+            for record in records:
+                encoder.encode_into(record, buf, -1)
+                buf += b"\n"
+            data = bytes(buf)
             reasons = []
             for place in self._spill_places():
                 path = place / name
