@@ -19,6 +19,7 @@ __all__ = [
     "get_rank",
     "get_world_size",
     "is_initialized",
+    "release_group",
     "wait_work",
 ]
 
@@ -118,6 +119,15 @@ def control_group() -> Any:
     import torch.distributed as tdist
 
     return tdist.new_group(backend="gloo")
+
+
+def release_group(group: Any) -> None:
+    """Destroy ``group`` (from :func:`control_group`) now rather than with the default group;
+    nothing when the default group is already gone."""
+    import torch.distributed as tdist
+
+    if is_initialized():
+        tdist.destroy_process_group(group)
 
 
 def barrier(*, timeout: float, what: str) -> None:

@@ -248,8 +248,7 @@ class Trainer:
         self.epoch = 0
         self._last_eval: dict[str, Any] = {}
         self._last_at = _At(True, 0, 0, 0)  # the last training step: a leftover update's
-        self._agreement: Agreement | None = None  # set when a distributed loop starts
-        self._control_group: Any = None  # the agreement's process group, made once
+        self._agreement: Agreement | None = None  # while a distributed training loop runs
         self.logger_hook = LoggerHook(log_step=args.log_steps)
         self.data_position = DataPosition()  # saved in checkpoints under "Trainer"
         self.checkpoint_hook: CheckpointSaverHook | None = None
@@ -452,11 +451,20 @@ class Trainer:
         return functools.partial(to_device, device=self.device, keep_on_host=self.keep_on_host)
 
     async def _train_loop(self, bus: HookBus, *, evaluate: bool) -> None:
-        self._agreement = None
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            if self._control_group is None:  # collective: every rank's first loop makes it
-                self._control_group = dist.control_group()
-            self._agreement = Agreement(self._control_group, self.args.collective_timeout)
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            await self._train_passes(bus, evaluate=evaluate)
+            return
+        # the agreement's own group, made (collectively) for this loop and gone after it, so
+        # that destroy_process_group() at the end of the job leaves none of its threads behind
+        group = dist.control_group()
+        self._agreement = Agreement(group, self.args.collective_timeout)
+        try:
+            await self._train_passes(bus, evaluate=evaluate)
+        finally:
+            self._agreement = None
+            dist.release_group(group)
+
+    async def _train_passes(self, bus: HookBus, *, evaluate: bool) -> None:
         for hook in bus.hooks:
             if isinstance(hook, ProgressBarHook) and hook.total is None:
                 hook.total = self._planned_steps()
