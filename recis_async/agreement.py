@@ -13,8 +13,11 @@ bounded by ``timeout``.
 
 The price is one step of lag: what a rank offers after step ``k`` is acted on by every rank
 after step ``k + 1``.  The trainer therefore offers, after step ``k``, whether it holds the
-batch of step ``k + 2`` (it reads that far ahead), and a stop requested in step ``k`` stops
-every rank after step ``k + 1``.
+batch of step ``k + 2`` (it reads that far ahead), and a stop requested in step ``k`` on some
+ranks stops every rank after step ``k + 1``.  A rank that stops waits for the outcome at once
+(:meth:`Agreement.peek`; it is leaving the loop, there is no step to keep busy): when every
+rank offered to stop at the same boundary (a :class:`~recis_async.hooks.StopAtStepHook`, a
+signal to the whole job between the same two steps) they all stop there, without the lag.
 """
 
 from __future__ import annotations
@@ -35,10 +38,12 @@ CONTINUE, END_PASS, STOP = 0, 1, 2
 
 
 class Decision(NamedTuple):
-    """What every rank does: the maximum offer, and the first failed rank + 1 (0: none)."""
+    """What every rank does: the maximum offer, the first failed rank + 1 (0: none), and the
+    minimum offer (equal to ``value`` when every rank offered the same)."""
 
     value: int
     failed: int
+    low: int
 
 
 class _Pending(NamedTuple):
@@ -59,6 +64,7 @@ class Agreement:
         self.group = group
         self.timeout = timeout
         self._pending: _Pending | None = None
+        self._early: Decision | None = None  # the pending one's outcome, read by peek()
 
     @property
     def pending(self) -> bool:
@@ -70,17 +76,29 @@ class Agreement:
         background)."""
         if self._pending is not None:
             raise RuntimeError("Agreement.start: the previous agreement was not read")
-        self._pending = self._launch([offer, 0], step)
+        self._pending = self._launch([offer, 0, -offer], step)
+
+    async def peek(self) -> Decision:
+        """Wait for the pending agreement now; :meth:`result` then returns the same outcome."""
+        if self._early is None:
+            self._early = await self._read()
+        return self._early
 
     async def result(self) -> Decision:
         """The pending agreement's outcome (waited for in a worker thread when it has not
-        completed yet).
+        completed yet); no agreement is pending afterwards.
 
         Raises:
             RuntimeError: no agreement pending; another rank announced it failed (named).
             TimeoutError: the other ranks did not join within ``timeout`` (naming this rank).
         """
-        pending, self._pending = self._pending, None
+        try:
+            return self._early if self._early is not None else await self._read()
+        finally:
+            self._pending = self._early = None
+
+    async def _read(self) -> Decision:
+        pending = self._pending
         if pending is None:
             raise RuntimeError("Agreement.result: no agreement pending")
         what = f"the stop agreement at global_step {pending.step}"
@@ -90,8 +108,10 @@ class Agreement:
             await anyio.to_thread.run_sync(
                 functools.partial(dist.wait_work, pending.work, self.timeout, what)
             )
-        decision = Decision(int(pending.values[0]), int(pending.values[1]))
+        values = pending.values
+        decision = Decision(int(values[0]), int(values[1]), -int(values[2]))
         if decision.failed:
+            self._pending = None
             raise RuntimeError(
                 f"rank {decision.failed - 1} failed in the step at global_step {pending.step}; "
                 f"rank {dist.get_rank()} stops with it"
@@ -108,8 +128,8 @@ class Agreement:
     async def announce_failure(self, rank: int, timeout: float) -> None:
         """Tell the other ranks this one failed: its offer in their next agreement names it.
         Waits at most ``timeout`` seconds; shielded from cancellation."""
-        self._pending = None  # an unread one completes on its own: the others joined it
-        pending = self._launch([STOP, rank + 1], -1)
+        self._pending = self._early = None  # an unread one completes: the others joined it
+        pending = self._launch([STOP, rank + 1, -STOP], -1)
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(
                 functools.partial(

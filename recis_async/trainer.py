@@ -517,7 +517,9 @@ class Trainer:
         after each step.  In a distributed run the ranks agree (:mod:`recis_async.agreement`):
         whether each holds the pass's first batch and none stops, before it; then after step
         ``k`` each offers whether it holds the batch of step ``k + 2`` (it reads two ahead)
-        and whether it stops, and reads what all offered after step ``k - 1``.
+        and whether it stops, and reads what all offered after step ``k - 1``.  A rank that
+        offers to stop waits for the outcome at once: when every rank offered it, all stop
+        after step ``k``.
         """
         if resume is not None and self.args.ignore_data_skip:
             resume = None
@@ -578,6 +580,9 @@ class Trainer:
                 return await self._end_pass(bus, decision.value, batches, local, epoch)
             if self._steps_left():  # the same on every rank: global_step moves in lockstep
                 agreement.start(offer, at.global_step)
+                if offer == STOP and (await agreement.peek()).low == STOP:
+                    await agreement.result()  # every rank stops here: none needs the lag
+                    return False
         return False
 
     @staticmethod
