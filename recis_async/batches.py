@@ -54,10 +54,11 @@ def to_device(batch: Any, device: torch.device, keep_on_host: Collection[str] = 
     if isinstance(batch, torch.Tensor):
         return _tensor_to(batch, device)
     if isinstance(batch, dict):
-        return type(batch)(
-            (k, v if k in keep_on_host else to_device(v, device, keep_on_host))
-            for k, v in batch.items()
-        )
+        out = batch.copy()  # the same kind of dict (OrderedDict, defaultdict...)
+        for k, v in batch.items():
+            if k not in keep_on_host:
+                out[k] = to_device(v, device, keep_on_host)
+        return out
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
         return type(batch)(*(to_device(v, device, keep_on_host) for v in batch))
     if isinstance(batch, list | tuple):

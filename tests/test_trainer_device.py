@@ -3,7 +3,7 @@ ids named in keep_on_host stay on the host; the model moves to a device given.""
 
 from __future__ import annotations
 
-from collections import namedtuple
+from collections import OrderedDict, namedtuple
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ def test_to_device_moves_nested_tensors_and_leaves_the_rest() -> None:
         "dense": torch.ones(4, 2),
         "nested": [torch.zeros(4), (torch.ones(1), "text"), Pair(torch.ones(2), 7)],
         "name": "b0",
+        "ordered": OrderedDict(x=torch.ones(1)),
     }
     moved = to_device(batch, META, keep_on_host={"ids"})
     assert moved["ids"] is batch["ids"]  # kept on the host, untouched
@@ -34,6 +35,7 @@ def test_to_device_moves_nested_tensors_and_leaves_the_rest() -> None:
     assert first.device == one.device == pair.a.device == META
     assert text == "text" and pair.b == 7 and isinstance(pair, Pair)
     assert moved["name"] == "b0"
+    assert isinstance(moved["ordered"], OrderedDict) and moved["ordered"]["x"].device == META
     cpu = torch.device("cpu")
     assert to_device(batch, cpu)["dense"] is batch["dense"]  # already there: no copy
 
