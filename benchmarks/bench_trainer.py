@@ -8,7 +8,8 @@ per step in microseconds.
 ``--ranks 2``: the same Trainer on two ranks under ``torch.distributed.run`` (gloo, CPU); rank
 1's steps are made uneven (``--jitter`` ms of extra work on one step in four, the kind of
 spread data loading gives), so a boundary that waits for the other rank every step waits for
-rank 1's slow steps on rank 0 too.  Each rank prints its steps/s; rank 0 prints both.  The
+rank 1's slow steps on rank 0 too.  Rank 0 prints each rank's steps/s and median step
+boundary (AfterStep to the next BeforeStep, where the agreement runs).  The
 stop agreement's collective and a slow rank cost the other rank only what the one-step lag
 cannot absorb.
 
@@ -34,7 +35,7 @@ import anyio
 import torch
 
 from recis_async import Hook, Trainer, TrainingArguments
-from recis_async.events import AfterStep
+from recis_async.events import AfterStep, BeforeStep
 
 
 class Net(torch.nn.Module):
@@ -67,11 +68,17 @@ class Jitter(torch.nn.Module):
 
 
 class Clock(Hook):
-    """Times each training step, AfterStep to AfterStep."""
+    """Times each training step (AfterStep to AfterStep) and each step boundary (AfterStep to
+    the next BeforeStep: where the stop agreement runs)."""
 
     def __init__(self) -> None:
         self.last = 0.0
         self.times: list[float] = []
+        self.boundaries: list[float] = []
+
+    def before_step(self, event: BeforeStep) -> None:
+        if self.last and event.is_train:
+            self.boundaries.append(time.perf_counter() - self.last)
 
     def after_step(self, event: AfterStep) -> None:
         now = time.perf_counter()
@@ -86,6 +93,10 @@ def data(n: int, batch: int, width: int) -> list[torch.Tensor]:
 
 
 async def trainer_steps(model: torch.nn.Module, batches: list[torch.Tensor]) -> list[float]:
+    return (await trainer_clock(model, batches)).times
+
+
+async def trainer_clock(model: torch.nn.Module, batches: list[torch.Tensor]) -> Clock:
     clock = Clock()
     args = TrainingArguments(save_steps=None, log_steps=100, collective_timeout=60)
     trainer = Trainer(
@@ -96,7 +107,7 @@ async def trainer_steps(model: torch.nn.Module, batches: list[torch.Tensor]) -> 
         dense_optimizers=(torch.optim.SGD(model.parameters(), lr=1e-3), None),
     )
     await trainer.train()
-    return clock.times
+    return clock
 
 
 def bare_steps(model: torch.nn.Module, batches: list[torch.Tensor]) -> list[float]:
@@ -140,12 +151,17 @@ def rank_main(args: argparse.Namespace) -> None:
     batches = data(args.steps, args.batch, args.width)
     anyio.run(trainer_steps, model, batches[:20])  # warm-up
     started = time.perf_counter()
-    anyio.run(trainer_steps, model, batches)
+    clock = anyio.run(trainer_clock, model, batches)
     rate = args.steps / (time.perf_counter() - started)
+    boundary = statistics.median(clock.boundaries) * 1e6
     gathered: list[Any] = [None, None]
-    tdist.all_gather_object(gathered, rate)
+    tdist.all_gather_object(gathered, (rate, boundary))
     if rank == 0:
-        print(f"steps/s: rank 0 {gathered[0]:.1f}, rank 1 {gathered[1]:.1f}")
+        (r0, b0), (r1, b1) = gathered
+        print(
+            f"steps/s: rank 0 {r0:.1f}, rank 1 {r1:.1f}; median step boundary "
+            f"(AfterStep -> next BeforeStep): rank 0 {b0:.0f} us, rank 1 {b1:.0f} us"
+        )
     tdist.destroy_process_group()
 
 

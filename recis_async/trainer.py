@@ -74,7 +74,7 @@ from .hooks.logger import LoggerHook
 from .hooks.progress import ProgressBarHook
 from .priority import Priority
 
-__all__ = ["Trainer", "TrainingArguments", "WindowedDataset", "batch_size"]
+__all__ = ["Trainer", "TrainingArguments", "WindowedDataset"]
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +172,7 @@ class Trainer:
 
     Raises:
         TypeError: an argument of the wrong type, naming it (``hooks[2]``, say).
+        ValueError: a ``device`` torch does not know.
     """
 
     def __init__(
