@@ -38,8 +38,9 @@ CONTINUE, END_PASS, STOP = 0, 1, 2
 
 
 class Decision(NamedTuple):
-    """What every rank does: the maximum offer, the first failed rank + 1 (0: none), and the
-    minimum offer (equal to ``value`` when every rank offered the same)."""
+    """What every rank does: the maximum offer, a failed rank + 1 (the highest when several
+    failed; 0: none), and the minimum offer (equal to ``value`` when every rank offered the
+    same)."""
 
     value: int
     failed: int
