@@ -12,7 +12,11 @@ below are in the environment), metric reports, hash-table filtering, checkpoints
 window and a progress bar.  The library logs where each output goes as the run starts and
 sums them up at the end (stderr); the script then prints the held-out AUC.
 
-    python examples/train_ctr.py [--steps 2000] [--output-dir output/ctr] [--seed 7]
+    python examples/train_ctr.py [--steps 2000] [--output-dir output/ctr] [--seed 7] [--device cuda]
+
+``--device cuda`` trains on a GPU: the Trainer moves the model and each batch there (pinned,
+non-blocking copies), except the user and item ids, which the embedding tables' id maps read
+on the host; the tables' rows, gradients and Adam state live on the GPU.
 
 Stopped (Ctrl-C, SIGTERM) and run again with the same ``--output-dir``, it continues from its
 last checkpoint: the step, the data and the tracked run go on where they stopped.
@@ -38,6 +42,7 @@ import numpy as np
 import torch
 
 from recis_async import Hook, Trainer, TrainingArguments, add_to_ml_tracker, add_to_trace
+from recis_async.batches import to_device
 from recis_async.hooks import (
     HashTableFilterHook,
     LoggerHook,
@@ -58,6 +63,7 @@ DENSE = 8
 TASTE = 4
 TRACE_FIELDS = ["user_id", "item_id", "label", "score"]
 TRACE_TYPES = ["bigint", "bigint", "bigint", "double"]
+HOST_KEYS = ("user_id", "item_id", "true_logit")  # ids for the tables' id maps; not model input
 
 
 class ClickData:
@@ -170,7 +176,7 @@ def trace_hook(out: Path) -> Hook:
     return TraceHook(sink, TRACE_FIELDS, TRACE_TYPES, size_threshold=4 << 20)
 
 
-async def main(steps: int, out: Path, seed: int) -> float:
+async def main(steps: int, out: Path, seed: int, device: str = "cpu") -> float:
     torch.manual_seed(seed)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     out.mkdir(parents=True, exist_ok=True)
@@ -215,6 +221,8 @@ async def main(steps: int, out: Path, seed: int) -> float:
         eval_dataset=list(data.batches(20, seed=seed + 2)),
         hooks=hooks,
         dense_optimizers=(optimizer, None),
+        device=device,  # moves the model (tables included) there; batches follow
+        keep_on_host=HOST_KEYS,
     )
     started = time.monotonic()
     # a job a scheduler restarts: continue from the newest checkpoint (from scratch if none)
@@ -226,7 +234,8 @@ async def main(steps: int, out: Path, seed: int) -> float:
     with torch.no_grad():
         for batch in data.batches(40, seed=seed + 3):  # held out: never trained on
             labels.append(batch["label"].numpy())
-            scores.append(torch.sigmoid(model.logits(batch)).numpy())
+            logits = model.logits(to_device(batch, trainer.device, HOST_KEYS))
+            scores.append(torch.sigmoid(logits).cpu().numpy())
             truth.append(batch["true_logit"].numpy())
     held_out_auc = auc(np.concatenate(labels), np.concatenate(scores))
     ceiling = auc(np.concatenate(labels), np.concatenate(truth))
@@ -246,6 +255,7 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--output-dir", type=Path, default=Path("output/ctr"))
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--device", default="cpu", help="where to train: cpu, cuda, cuda:1...")
     opts = parser.parse_args()
-    result = anyio.run(main, opts.steps, opts.output_dir, opts.seed)
+    result = anyio.run(main, opts.steps, opts.output_dir, opts.seed, opts.device)
     sys.exit(0 if result > 0.5 else 1)

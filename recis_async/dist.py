@@ -15,9 +15,12 @@ __all__ = [
     "all_reduce_max",
     "all_reduce_mean",
     "barrier",
+    "control_group",
     "get_rank",
     "get_world_size",
     "is_initialized",
+    "release_group",
+    "wait_work",
 ]
 
 
@@ -67,7 +70,7 @@ def all_reduce_max(values: list[int], *, timeout: float, what: str) -> list[int]
 
     tensor = torch.tensor(values, dtype=torch.int64)
     work = tdist.all_reduce(tensor, op=tdist.ReduceOp.MAX, async_op=True)
-    _wait(work, timeout, what)
+    wait_work(work, timeout, what)
     return [int(v) for v in tensor.tolist()]
 
 
@@ -79,7 +82,7 @@ def all_reduce_mean(values: dict[str, float], *, timeout: float, what: str) -> d
     names = sorted(values)
     tensor = torch.tensor([float(values[n]) for n in names], dtype=torch.float64)
     work = tdist.all_reduce(tensor, op=tdist.ReduceOp.SUM, async_op=True)
-    _wait(work, timeout, what)
+    wait_work(work, timeout, what)
     size = tdist.get_world_size()
     return {n: float(v) / size for n, v in zip(names, tensor.tolist(), strict=True)}
 
@@ -94,17 +97,37 @@ def all_gather_object(obj: object, *, timeout: float, what: str) -> list[Any]:
     size = tdist.get_world_size()
     lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
     work = tdist.all_gather(lengths, torch.tensor([payload.numel()]), async_op=True)
-    _wait(work, timeout, what)
+    wait_work(work, timeout, what)
     longest = max(int(n) for n in lengths)
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[: payload.numel()] = payload
     chunks = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
     work = tdist.all_gather(chunks, padded, async_op=True)
-    _wait(work, timeout, what)
+    wait_work(work, timeout, what)
     return [
         pickle.loads(chunk[: int(n)].numpy().tobytes())
         for chunk, n in zip(chunks, lengths, strict=True)
     ]
+
+
+def control_group() -> Any:
+    """A new process group of every rank on gloo, for the library's own small collectives on
+    CPU tensors (the trainer's stop agreement): it works whatever the job's default backend
+    (NCCL takes no CPU tensors), never touches an accelerator, and does not interleave with
+    the job's gradient collectives.  Creating a group is itself collective: every rank must
+    call this at the same point.  ``destroy_process_group()`` removes it with the others."""
+    import torch.distributed as tdist
+
+    return tdist.new_group(backend="gloo")
+
+
+def release_group(group: Any) -> None:
+    """Destroy ``group`` (from :func:`control_group`) now rather than with the default group;
+    nothing when the default group is already gone."""
+    import torch.distributed as tdist
+
+    if is_initialized():
+        tdist.destroy_process_group(group)
 
 
 def barrier(*, timeout: float, what: str) -> None:
@@ -113,10 +136,12 @@ def barrier(*, timeout: float, what: str) -> None:
     import torch.distributed as tdist
 
     work = tdist.all_reduce(torch.zeros(1), async_op=True)  # a barrier that honours a timeout
-    _wait(work, timeout, what)
+    wait_work(work, timeout, what)
 
 
-def _wait(work: object, timeout: float, what: str) -> None:
+def wait_work(work: object, timeout: float, what: str) -> None:
+    """Wait for a collective started with ``async_op=True``, at most ``timeout`` seconds;
+    ``TimeoutError`` naming this rank and ``what`` otherwise (a failed collective too)."""
     from datetime import timedelta
 
     try:

@@ -33,7 +33,7 @@ import logging
 import numbers
 import os
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence, Sized
+from collections.abc import AsyncIterator, Collection, Iterable, Iterator, Mapping, Sequence, Sized
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 import anyio
@@ -43,6 +43,8 @@ import torch
 from . import dist
 from ._checks import boolean, nonempty_str, positive_int, positive_number
 from .aggregate import MetricAggregator
+from .agreement import CONTINUE, END_PASS, STOP, Agreement
+from .batches import Lookahead, batch_size, model_device, resolve_device, to_device
 from .bus import HookBus
 from .checkpoint import list_checkpoints, restore_checkpoint
 from .checkpoint.position import DataPosition, Restored
@@ -76,9 +78,6 @@ __all__ = ["Trainer", "TrainingArguments", "WindowedDataset"]
 
 logger = logging.getLogger(__name__)
 
-# What a rank offers at the step boundary; the maximum over ranks wins.
-_CONTINUE, _END_EPOCH, _STOP = 0, 1, 2
-
 
 class TrainingArguments(msgspec.Struct, kw_only=True, frozen=True):
     """What the trainer runs; names follow RecIS's ``TrainingArguments``.
@@ -86,8 +85,8 @@ class TrainingArguments(msgspec.Struct, kw_only=True, frozen=True):
     ``train_steps`` caps the total number of steps (exactly that many run when the data lasts);
     ``train_epoch`` is the number of passes over the data; ``eval_steps`` caps each evaluation;
     ``save_steps`` / ``max_to_keep`` configure checkpoints into ``output_dir`` (``None`` turns
-    them off); ``log_steps`` the log interval; ``collective_timeout`` bounds, in seconds, the
-    trainer's cross-rank stop agreement.
+    them off); ``log_steps`` the log interval; ``collective_timeout`` bounds, in seconds, each
+    wait of the trainer's cross-rank stop agreement (:mod:`recis_async.agreement`).
 
     ``overwrite_output_dir``: a training call that does not resume refuses to start when a
     checkpoint directory of its savers already holds checkpoints (an earlier run's: continuing
@@ -128,22 +127,6 @@ class WindowedDataset(Protocol):
     def windows(self) -> Iterable[Iterable[Any]]: ...
 
 
-def batch_size(batch: Any) -> int:
-    """Rows in a batch: the first dimension of its first tensor/array (dicts, lists, tuples)."""
-    if isinstance(batch, torch.Tensor) or hasattr(batch, "shape"):
-        shape = batch.shape
-        return int(shape[0]) if len(shape) else 1
-    if isinstance(batch, dict):
-        for value in batch.values():
-            return batch_size(value)
-        return 0
-    if isinstance(batch, list | tuple):
-        if batch and (isinstance(batch[0], torch.Tensor) or hasattr(batch[0], "shape")):
-            return batch_size(batch[0])
-        return len(batch)
-    return 1
-
-
 class Trainer:
     """Runs ``model`` over ``train_dataset`` publishing the reference events on a bus.
 
@@ -161,6 +144,17 @@ class Trainer:
     ``max_to_keep``.
     A :class:`ProgressBarHook` without a ``total`` gets the planned number of steps.
 
+    The device: batches (tensors in nested dicts, lists, tuples) are moved to ``device`` with
+    non-blocking copies from pinned memory (:func:`recis_async.batches.to_device`), except the
+    dict entries named in ``keep_on_host`` (ids for a :class:`~recis_async.nn.HashTable`'s
+    host-side id map).  ``device=None`` means the model's device (its first parameter's), read
+    when each loop starts; a ``device`` given moves the model there now (``model.to(device)``:
+    parameters keep their identity, so an optimizer built on them stays valid).  The loop
+    reads no tensor value on an ordinary step: the loss goes to ``add_metric`` as a detached
+    tensor, and in distributed runs the stop agreement is read one step after it started
+    (every rank still stops at the same step; a stop requested in step ``k`` takes effect
+    after step ``k + 1``).
+
     When the application configured no logging (no handler on the root or ``recis_async``
     logger), a run shows the library's INFO lines on stderr, as
     :func:`recis_async.enable_logging` would; configured logging is left alone.
@@ -173,9 +167,12 @@ class Trainer:
         hooks: hooks added to every bus the trainer opens (or to ``bus``).
         dense_optimizers: ``(optimizer, lr_scheduler)``.
         bus: an open bus to publish on instead of opening one per call.
+        device: where batches go (and the model, when given); ``None``: the model's device.
+        keep_on_host: keys of dict batches whose values stay where the loader made them.
 
     Raises:
         TypeError: an argument of the wrong type, naming it (``hooks[2]``, say).
+        ValueError: a ``device`` torch does not know.
     """
 
     def __init__(
@@ -187,6 +184,8 @@ class Trainer:
         hooks: Sequence[Hook] | None = None,
         dense_optimizers: tuple[Any, Any] = (None, None),
         bus: HookBus | None = None,
+        device: str | torch.device | None = None,
+        keep_on_host: Collection[str] = (),
     ) -> None:
         if not callable(model):
             raise TypeError(f"Trainer(model=...): expected a callable module, got {model!r}")
@@ -223,6 +222,22 @@ class Trainer:
                 )
         if bus is not None and not isinstance(bus, HookBus):
             raise TypeError(f"Trainer(bus=...): expected a HookBus, got {bus!r}")
+        if isinstance(keep_on_host, str) or not (
+            isinstance(keep_on_host, Collection) and all(isinstance(k, str) for k in keep_on_host)
+        ):
+            raise TypeError(
+                f"Trainer(keep_on_host=...): expected a collection of dict keys (str), "
+                f"got {keep_on_host!r:.80}"
+            )
+        self._device = None if device is None else _checked_device(device)
+        if self._device is not None:
+            if not callable(getattr(model, "to", None)):
+                raise TypeError(
+                    f"Trainer(device={device!r}): expected a model with .to() to move there, "
+                    f"got {type(model).__name__}"
+                )
+            model.to(self._device)
+        self.keep_on_host = frozenset(keep_on_host)
         self.model = model
         self.args = args
         self.train_dataset = train_dataset
@@ -234,7 +249,7 @@ class Trainer:
         self.epoch = 0
         self._last_eval: dict[str, Any] = {}
         self._last_at = _At(True, 0, 0, 0)  # the last training step: a leftover update's
-        self._distributed = False  # set when a loop starts: the process group may come later
+        self._agreement: Agreement | None = None  # while a distributed training loop runs
         self.logger_hook = LoggerHook(log_step=args.log_steps)
         self.data_position = DataPosition()  # saved in checkpoints under "Trainer"
         self.checkpoint_hook: CheckpointSaverHook | None = None
@@ -427,8 +442,30 @@ class Trainer:
     def _steps_left(self) -> bool:
         return self.args.train_steps is None or self.global_step < self.args.train_steps
 
+    @property
+    def device(self) -> torch.device:
+        """Where batches go: the ``device`` given, else the model's (see the class docstring)."""
+        return self._device if self._device is not None else model_device(self.model)
+
+    def _mover(self) -> functools.partial[Any]:
+        """Moves one batch to :attr:`device` (read now, once per loop)."""
+        return functools.partial(to_device, device=self.device, keep_on_host=self.keep_on_host)
+
     async def _train_loop(self, bus: HookBus, *, evaluate: bool) -> None:
-        self._distributed = dist.is_initialized() and dist.get_world_size() > 1
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            await self._train_passes(bus, evaluate=evaluate)
+            return
+        # the agreement's own group, made (collectively) for this loop and gone after it, so
+        # that destroy_process_group() at the end of the job leaves none of its threads behind
+        group = dist.control_group()
+        self._agreement = Agreement(group, self.args.collective_timeout)
+        try:
+            await self._train_passes(bus, evaluate=evaluate)
+        finally:
+            self._agreement = None
+            dist.release_group(group)
+
+    async def _train_passes(self, bus: HookBus, *, evaluate: bool) -> None:
         for hook in bus.hooks:
             if isinstance(hook, ProgressBarHook) and hook.total is None:
                 hook.total = self._planned_steps()
@@ -443,13 +480,13 @@ class Trainer:
         if resume is None:
             position.epoch = position.window = position.batches = 0
         for epoch in range(first_epoch, self.args.train_epoch):
-            if not self._steps_left() or bus.should_stop:
+            if not self._steps_left() or await self._stop_agreed(bus):
                 break
             self.epoch = epoch
             await bus.publish(BeforeEpoch(is_train=True, epoch=epoch))
             exhausted = True
             for window_index, window in enumerate(data.windows() if windowed else [data]):
-                if not self._steps_left() or bus.should_stop:
+                if not self._steps_left() or await self._stop_agreed(bus):
                     exhausted = False
                     break
                 here = resume if resume and (epoch, window_index) == resume[:2] else None
@@ -464,7 +501,7 @@ class Trainer:
                 await bus.publish(
                     AfterTrain(is_train=True, global_step=self.global_step, epoch=epoch)
                 )
-                if evaluate and not bus.should_stop:
+                if evaluate and not await self._stop_agreed(bus):
                     await self._evaluate(bus)
                 if windowed:
                     await bus.publish(AfterWindow(is_train=True, epoch=epoch, window=window_index))
@@ -475,28 +512,44 @@ class Trainer:
     async def _train_steps(
         self, bus: HookBus, data: Iterable[Any], epoch: int, window: int, resume: Restored | None
     ) -> bool:
-        """One pass over ``data`` (resuming it at ``resume``); true when it ran out of data."""
+        """One pass over ``data`` (resuming it at ``resume``); true when it ran out of data.
+
+        Alone, a rank reads each batch after ``BeforeStep`` and honours ``bus.should_stop``
+        after each step.  In a distributed run the ranks agree (:mod:`recis_async.agreement`):
+        whether each holds the pass's first batch and none stops, before it; then after step
+        ``k`` each offers whether it holds the batch of step ``k + 2`` (it reads two ahead)
+        and whether it stops, and reads what all offered after step ``k - 1``.  A rank that
+        offers to stop waits for the outcome at once: when every rank offered it, all stop
+        after step ``k``.
+        """
         if resume is not None and self.args.ignore_data_skip:
             resume = None
         self.data_position.begin_pass(epoch, window, data, resume)
         it = iter(data)
-        accumulate = self.args.gradient_accumulation_steps
         local = 0
+        agreement = self._agreement
         if resume is not None:
             if resume.batches:
                 local = await self._skip(bus, it, resume)
-                if bus.should_stop:
+                if bus.should_stop and agreement is None:
                     return False
             self.data_position.skipped(local, resume)
+        batches = Lookahead(it, self._mover())
+        accumulate = self.args.gradient_accumulation_steps
+        if agreement is not None:
+            offer = await self._offer_or_fail(bus, batches, 1)
+            first = await agreement.now(offer, self.global_step)
+            if first.value != CONTINUE:
+                return await self._end_pass(bus, first.value, batches, local, epoch)
+            agreement.start(await self._offer_or_fail(bus, batches, 2), self.global_step)
         while self._steps_left():
             at = _At(True, self.global_step, local, epoch)
             try:
                 await bus.publish(at(BeforeStep))
                 try:
-                    batch = next(it)
+                    batch = batches.take()
                 except StopIteration:
                     await bus.publish(at(OutOfData))
-                    await self._agree(bus, _END_EPOCH, at.global_step)
                     return True
                 self.data_position.batches += 1
                 await bus.publish(at(AfterData))
@@ -506,20 +559,64 @@ class Trainer:
                 await bus.publish(at(AfterBackward, sync=sync))
                 if sync:
                     await self._optimizer_step(bus, at)
-                add_metric("loss", loss)
+                add_metric("loss", loss.detach())  # a device tensor: read at the log window
                 self.global_step += 1
                 local += 1
                 self._last_at = at
                 await bus.publish(at(AfterStep, samples=batch_size(batch)))
+                offer = (
+                    self._offer(bus, batches, 2)
+                    if agreement is not None and self._steps_left()
+                    else CONTINUE
+                )
             except Exception:
-                await self._agree_failed(bus)
+                await self._announce_failure(bus)
                 raise
-            decision = await self._agree(bus, _CONTINUE, at.global_step)
-            if decision == _END_EPOCH:
-                return True  # another rank ran out of data
-            if decision != _CONTINUE or bus.should_stop:
-                return False
+            if agreement is None:
+                if bus.should_stop:
+                    return False
+                continue
+            decision = await agreement.result()  # what every rank offered after the last step
+            if decision.value != CONTINUE:
+                return await self._end_pass(bus, decision.value, batches, local, epoch)
+            if self._steps_left():  # the same on every rank: global_step moves in lockstep
+                agreement.start(offer, at.global_step)
+                if offer == STOP and (await agreement.peek()).low == STOP:
+                    await agreement.result()  # every rank stops here: none needs the lag
+                    return False
         return False
+
+    @staticmethod
+    def _offer(bus: HookBus, batches: Lookahead, ahead: int) -> int:
+        """This rank's offer: stop, or whether it holds the ``ahead``-th batch from here."""
+        if bus.should_stop:
+            return STOP
+        return CONTINUE if batches.has(ahead) else END_PASS
+
+    async def _offer_or_fail(self, bus: HookBus, batches: Lookahead, ahead: int) -> int:
+        """:meth:`_offer`, announcing this rank's failure when reading ahead raised."""
+        try:
+            return self._offer(bus, batches, ahead)
+        except Exception:
+            await self._announce_failure(bus)
+            raise
+
+    async def _end_pass(
+        self, bus: HookBus, decision: int, batches: Lookahead, local: int, epoch: int
+    ) -> bool:
+        """Act on an agreed ``STOP`` or ``END_PASS`` (true: the pass ended for lack of data).
+
+        The ranks that lack the next batch publish ``BeforeStep``/``OutOfData`` for it, as a
+        rank alone does; the others end the pass where they are."""
+        if decision == STOP:
+            if not bus.should_stop:
+                bus.request_stop("another rank requested a stop")
+            return False
+        if not batches.has(1):
+            at = _At(True, self.global_step, local, epoch)
+            await bus.publish(at(BeforeStep))
+            await bus.publish(at(OutOfData))
+        return True
 
     async def _skip(self, bus: HookBus, it: Iterator[Any], resume: Restored) -> int:
         """Read and drop the batches of this pass the restored steps trained on (in a worker
@@ -548,50 +645,28 @@ class Trainer:
         logger.info("skipped %d batches in %.3g s", skipped, time.monotonic() - started)
         return skipped
 
-    async def _agree(self, bus: HookBus, mine: int, step: int) -> int:
-        """Agree with every rank at the step boundary (distributed runs only).
-
-        Each rank offers ``_CONTINUE``, ``_END_EPOCH`` (out of data) or ``_STOP`` (its bus
-        should stop); the maximum wins everywhere, so all ranks stop or end the epoch at the
-        same step and none is left waiting in a collective.  A rank that failed is named.
-        """
-        if not self._distributed:
-            return mine
-        if bus.should_stop:
-            mine = _STOP
-        decision, failed = await anyio.to_thread.run_sync(
-            functools.partial(
-                dist.all_reduce_max,
-                [mine, 0],
-                timeout=self.args.collective_timeout,
-                what=f"the stop agreement at global_step {step}",
+    async def _stop_agreed(self, bus: HookBus) -> bool:
+        """``bus.should_stop``, agreed by every rank at once in a distributed run (between
+        passes, where a stop that came after a pass's last agreement must reach every rank
+        before they choose to run another pass or an evaluation)."""
+        if self._agreement is not None:
+            decision = await self._agreement.now(
+                STOP if bus.should_stop else CONTINUE, self.global_step
             )
-        )
-        if failed:
-            raise RuntimeError(
-                f"rank {failed - 1} failed in the step at global_step {step}; "
-                f"rank {bus.rank} stops with it"
-            )
-        if decision == _STOP and not bus.should_stop:
-            bus.request_stop("another rank requested a stop")
-        return decision
+            if decision.value == STOP and not bus.should_stop:
+                bus.request_stop("another rank requested a stop")
+        return bus.should_stop
 
-    async def _agree_failed(self, bus: HookBus) -> None:
-        """Tell the other ranks, waiting at the step boundary, that this rank failed."""
-        if not self._distributed:
+    async def _announce_failure(self, bus: HookBus) -> None:
+        """Tell the other ranks, at their next agreement, that this rank failed."""
+        if self._agreement is None:
             return
-        with anyio.CancelScope(shield=True):
-            try:
-                await anyio.to_thread.run_sync(
-                    functools.partial(
-                        dist.all_reduce_max,
-                        [_STOP, bus.rank + 1],
-                        timeout=min(self.args.collective_timeout, 30.0),
-                        what="announcing this rank's failure",
-                    )
-                )
-            except Exception as exc:  # the original error matters more
-                logger.warning("rank %s could not announce its failure: %s", bus.rank, exc)
+        try:
+            await self._agreement.announce_failure(
+                bus.rank, min(self.args.collective_timeout, 30.0)
+            )
+        except Exception as exc:  # the original error matters more
+            logger.warning("rank %s could not announce its failure: %s", bus.rank, exc)
 
     async def _optimizer_step(self, bus: HookBus, at: _At) -> None:
         """``BeforeOptimizerStep`` (final gradients: clipping hooks act here), the step and
@@ -612,7 +687,7 @@ class Trainer:
     async def _evaluate(self, bus: HookBus) -> dict[str, Any]:
         was_training = getattr(self.model, "training", False)
         self.model.eval()
-        it = iter(self.eval_dataset or ())
+        batches = Lookahead(iter(self.eval_dataset or ()), self._mover())
         local = 0
         aggregator = MetricAggregator()
         try:
@@ -623,7 +698,7 @@ class Trainer:
                     at = _At(False, self.global_step, local, self.epoch)
                     await bus.publish(at(BeforeStep))
                     try:
-                        batch = next(it)
+                        batch = batches.take()
                     except StopIteration:
                         await bus.publish(at(OutOfData))
                         break
@@ -632,7 +707,7 @@ class Trainer:
                     with torch.no_grad():
                         loss = _loss_of(self.model(batch))
                     local += 1
-                    add_metric("loss", float(loss))
+                    add_metric("loss", loss.detach())  # summed on its device over the pass
                     await bus.publish(at(AfterStep, samples=batch_size(batch)))
         finally:
             if was_training:
@@ -679,6 +754,20 @@ class _At(NamedTuple):
             epoch=self.epoch,
             **extra,
         )
+
+
+def _checked_device(device: object) -> torch.device:
+    if not isinstance(device, str | torch.device):
+        raise TypeError(
+            f"Trainer(device=...): expected a torch.device, a str such as 'cuda' or None, "
+            f"got {type(device).__name__}"
+        )
+    try:
+        return resolve_device(device)
+    except (RuntimeError, AssertionError) as exc:
+        raise ValueError(
+            f"Trainer(device=...): expected a usable device, got {device!r}: {exc}"
+        ) from None
 
 
 def _check_resume(method: str, resume: object) -> None:

@@ -53,7 +53,8 @@ def test_a_stop_on_one_rank_stops_both_at_the_same_step(tmp_path: Path) -> None:
     proc = torchrun("dist_train.py", str(tmp_path), "stop")
     assert proc.returncode == 0, proc.stderr[-3000:]
     r0, r1 = results(tmp_path)
-    assert [s for _, s in r0["steps"]] == [0, 1, 2, 3]
+    # asked in step 3, agreed one step later: every rank stops after step 4
+    assert [s for _, s in r0["steps"]] == [0, 1, 2, 3, 4]
     assert r0["steps"] == r1["steps"]
     assert r0["stop_reason_seen"] == "another rank requested a stop"
     # the process group is gone with its threads before exit (it used to outlive
@@ -73,23 +74,51 @@ def test_a_failing_rank_is_named_and_nobody_hangs(tmp_path: Path) -> None:
         "RuntimeError: rank 1 failed in the step at global_step 3; rank 0 stops with it"
     )
     assert r0["status"] == r1["status"] == "failed"
-    assert [s for _, s in r0["steps"]] == [0, 1, 2, 3]
+    # rank 0 reads the agreement of step 3 at the end of step 4
+    assert [s for _, s in r0["steps"]] == [0, 1, 2, 3, 4]
 
 
 def test_uneven_data_ends_each_epoch_together(tmp_path: Path) -> None:
     proc = torchrun("dist_train.py", str(tmp_path), "uneven")
     assert proc.returncode == 0, proc.stderr[-3000:]
     r0, r1 = results(tmp_path)
-    # rank 0 runs out at local step 5; rank 1 finishes that step and ends the epoch with it
-    assert r0["steps"] == [[0, s] for s in range(5)] + [[1, s] for s in range(5, 10)]
-    assert r1["steps"] == [[0, s] for s in range(6)] + [[1, s] for s in range(6, 12)]
+    # rank 0 has 5 batches a pass, rank 1 has 8: both end each pass after the 5th step, at
+    # the same global step (before, rank 1 ran a 6th step rank 0 had no batch for, which in
+    # data-parallel training waits forever in its gradient all-reduce)
+    assert r0["steps"] == r1["steps"] == [[0, s] for s in range(5)] + [[1, s] for s in range(5, 10)]
+
+
+def test_the_step_boundary_does_not_wait_for_the_other_ranks(tmp_path: Path) -> None:
+    proc = torchrun("dist_train.py", str(tmp_path), "overlap")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = results(tmp_path)
+    # rank 1, held in step 3, saw rank 0 already in step 4: the agreement of step 3 was
+    # started at its boundary and read one step later, not waited for there
+    assert r1["overlapped"] is True
+    # rank 1 asked to stop in step 5: both ranks stop after step 6, none hangs
+    assert r0["steps"] == r1["steps"] == [[0, s] for s in range(7)]
+    assert r0["stop_reason_seen"] == "another rank requested a stop"
+    assert r0["status"] == r1["status"] == "ok"
+
+
+def test_a_stop_in_the_last_step_of_a_pass_ends_every_rank_there(tmp_path: Path) -> None:
+    proc = torchrun("dist_train.py", str(tmp_path), "uneven_stop")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = results(tmp_path)
+    # rank 0 has 5 batches; rank 1 asks to stop in step 4, after which the pass ends anyway:
+    # the stop is agreed between the passes, so no rank starts the second epoch alone
+    assert r0["steps"] == r1["steps"] == [[0, s] for s in range(5)]
+    assert r0["stop_reason_seen"] == "another rank requested a stop"
+    assert r0["status"] == r1["status"] == "ok"
 
 
 def test_a_nan_loss_on_one_rank_stops_both_at_the_same_step(tmp_path: Path) -> None:
     proc = torchrun("dist_train.py", str(tmp_path), "nan")
     assert proc.returncode == 0, proc.stderr[-3000:]
     r0, r1 = results(tmp_path)
-    assert r0["steps"] == r1["steps"] == [[0, s] for s in range(4)]
+    assert r0["steps"] == r1["steps"]
+    # NaN in step 3; the NaN check may act a step or two late, the agreement one step late
+    assert r0["steps"][:5] == [[0, s] for s in range(5)] and len(r0["steps"]) <= 7
     assert "NaN" in r1["stop_reason_seen"] or "nan" in r1["stop_reason_seen"].lower()
     assert r0["stop_reason_seen"] == "another rank requested a stop"
     # the process group is gone with its threads before exit (it used to outlive

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import msgspec
 import pyarrow.parquet as pq
+import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,7 +27,10 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_train_ctr_learns_and_writes_every_output(tmp_path: Path) -> None:
     steps = 300
-    proc = run("examples/train_ctr.py", "--steps", str(steps), "--output-dir", str(tmp_path))
+    proc = run(
+        "examples/train_ctr.py",
+        *("--steps", str(steps), "--output-dir", str(tmp_path), "--device", "cpu"),
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = proc.stdout
     auc = float(re.search(r"held-out AUC: ([0-9.]+)", out).group(1))  # type: ignore[union-attr]
@@ -53,6 +58,19 @@ def test_train_ctr_learns_and_writes_every_output(tmp_path: Path) -> None:
         ("profiler timelines (ProfilerHook)", tmp_path / "timeline"),
     ):
         assert f"  {what}: {where}" in summary, summary
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_train_ctr_runs_on_cuda(tmp_path: Path) -> None:
+    proc = run(
+        "examples/train_ctr.py",
+        *("--steps", "300", "--output-dir", str(tmp_path), "--device", "cuda"),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    auc = float(re.search(r"held-out AUC: ([0-9.]+)", proc.stdout).group(1))  # type: ignore[union-attr]
+    assert auc > 0.6, proc.stdout
+    assert sorted((tmp_path / "checkpoints").glob("checkpoint-*.pt"))
 
 
 def test_train_loop_example_runs() -> None:

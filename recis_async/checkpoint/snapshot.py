@@ -1,5 +1,12 @@
 """Snapshots: a state tree copied to host memory on the step, into buffers reused between
-saves, so training may mutate its tensors at once and the writer works on a stable copy."""
+saves, so training may mutate its tensors at once and the writer works on a stable copy.
+
+Tensors on an accelerator are copied without the step waiting for them: into page-locked
+buffers with ``non_blocking=True``, on the current stream (so the copy holds the values as of
+the save, whatever later kernels do to them), followed by an event the writer waits for in its
+worker thread (:attr:`Snapshot.ready`).  Host tensors are copied on the step, split over a few
+threads.  On a machine without an accelerator there is no event: the same code, host copies
+only."""
 
 from __future__ import annotations
 
@@ -38,6 +45,13 @@ class Snapshot(NamedTuple):
     payload: dict[str, Any]
     nbytes: int
     buffers: Buffers
+    ready: tuple[Any, ...] = ()  # events recorded after the device copies: wait before reading
+
+    def wait_ready(self) -> None:
+        """Block until the device copies into :attr:`buffers` are done (a worker thread's
+        job: the step never calls this)."""
+        for event in self.ready:
+            event.synchronize()
 
 
 class Copier:
@@ -59,6 +73,7 @@ class Copier:
         self._spare = spare or {}
         self._tensors: dict[tuple[Any, ...], torch.Tensor] = {}
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, source)
+        self.ready: tuple[Any, ...] = ()  # set by finish(): events after the device copies
 
     def copy(self, obj: Any, where: str) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -90,8 +105,16 @@ class Copier:
         if done is not None:  # the same view seen under another name (tied weights)
             return done
         spare = self._spare.pop(where, None)
-        if spare is not None and spare.shape == t.shape and spare.dtype == t.dtype:
+        pinned = _pinned_for(t)
+        if (
+            spare is not None
+            and spare.shape == t.shape
+            and spare.dtype == t.dtype
+            and (not pinned or spare.is_pinned())
+        ):
             done = spare
+        elif pinned:  # page-locked: the copy from the device need not wait for it
+            done = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         else:
             done = torch.empty_like(t, device="cpu")
         self._copies.append((done, t))
@@ -100,8 +123,17 @@ class Copier:
         return done
 
     def finish(self) -> None:
-        """Copy every tensor the walk met, using up to :data:`_COPY_THREADS` threads."""
+        """Copy every tensor the walk met: from a device, queued without waiting (then
+        :attr:`ready` holds an event per device); from the host, using up to
+        :data:`_COPY_THREADS` threads."""
         copies, self._copies = self._copies, []
+        devices: dict[torch.device, None] = {}
+        for dst, src in copies:
+            if src.device.type != "cpu":
+                dst.copy_(src, non_blocking=dst.is_pinned())  # this thread's current stream
+                devices[src.device] = None
+        self.ready = tuple(_record_event(device) for device in devices)
+        copies = [(dst, src) for dst, src in copies if src.device.type == "cpu"]
         nbytes = sum(dst.numel() * dst.element_size() for dst, _ in copies)
         threads = max(1, min(_COPY_THREADS, os.cpu_count() or 1, nbytes // _COPY_MIN_BYTES))
         shares: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(threads)]
@@ -133,7 +165,28 @@ class Copier:
             raise errors[0]
 
 
-Layout = dict[str, tuple[torch.Size, torch.dtype]]
+def _pinned_for(t: torch.Tensor) -> bool:
+    """Whether the host copy of ``t`` goes to page-locked memory: for CUDA tensors."""
+    return t.device.type == "cuda"
+
+
+def _record_event(device: torch.device) -> Any:
+    """An event recorded on ``device``'s current stream (after the copies queued there)."""
+    if device.type != "cuda":  # another accelerator: its copies were synchronous
+        return _Done()
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+class _Done:
+    """An event that has already happened."""
+
+    def synchronize(self) -> None:
+        return None
+
+
+Layout = dict[str, tuple[torch.Size, torch.dtype, bool]]  # place: shape, dtype, pinned
 
 
 def layout_of(obj: Any, where: str, out: Layout, seen: set[tuple[Any, ...]]) -> None:
@@ -143,7 +196,7 @@ def layout_of(obj: Any, where: str, out: Layout, seen: set[tuple[Any, ...]]) -> 
             key = _storage_key(obj)
             if key not in seen:
                 seen.add(key)
-                out[where] = (obj.shape, obj.dtype)
+                out[where] = (obj.shape, obj.dtype, _pinned_for(obj))
     elif type(obj) in (dict, OrderedDict):
         for k, v in obj.items():
             layout_of(v, f"{where}[{k!r}]", out, seen)
@@ -154,4 +207,7 @@ def layout_of(obj: Any, where: str, out: Layout, seen: set[tuple[Any, ...]]) -> 
 
 def allocate(layout: Layout) -> Buffers:
     """Host buffers for a snapshot, their pages touched now rather than on the step."""
-    return {where: torch.zeros(shape, dtype=dtype) for where, (shape, dtype) in layout.items()}
+    return {
+        where: torch.zeros(shape, dtype=dtype, pin_memory=pinned)
+        for where, (shape, dtype, pinned) in layout.items()
+    }

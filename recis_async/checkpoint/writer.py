@@ -89,7 +89,8 @@ class CheckpointWriter(JobQueue["Snapshot | Layout"]):
     def replaced(self, job: Snapshot | Layout) -> None:
         if isinstance(job, Snapshot):
             self._superseded += 1
-            self._keep_spare(job.buffers)
+            if not job.ready:  # device copies may still be landing in its buffers: not reused
+                self._keep_spare(job.buffers)
 
     def take_spare(self) -> Buffers | None:
         """CPU tensors of a snapshot no longer needed, for the next one to overwrite."""
@@ -190,6 +191,7 @@ class CheckpointWriter(JobQueue["Snapshot | Layout"]):
         )
         sink: _ErrorKeepingFile | None = None
         try:
+            snap.wait_ready()  # the device copies into its buffers, queued on the step
             with atomic_path(snap.path, tmp) as path, open(path, "wb") as f:
                 sink = _ErrorKeepingFile(f)
                 torch.save(snap.payload, cast(BinaryIO, sink))  # duck-typed file

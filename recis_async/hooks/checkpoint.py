@@ -64,7 +64,9 @@ class CheckpointSaverHook(Hook):
     the CPU tensors of the last snapshot written (or superseded) are kept and overwritten in
     place by the next one, which makes the copy on the step several times cheaper than fresh
     allocations, at the price of holding one snapshot's worth of host memory between saves
-    (three at most).  The copy is split by size over up to four threads (one per 4 MiB, at most
+    (three at most).  CUDA tensors are copied into page-locked buffers without the step
+    waiting: the copies are queued on the current stream and the writer's thread waits for
+    them (an event) before it writes.  The copy is split by size over up to four threads (one per 4 MiB, at most
     one per CPU): the step waits for its share of the memory bandwidth, not one thread's copy.
 
     The write runs in a thread of its own, on Linux reniced by ``writer_nice`` (``None``: not
@@ -301,7 +303,9 @@ class CheckpointSaverHook(Hook):
             },
         }
         copier.finish()
-        self._writer.submit(Snapshot(step, path, payload, copier.nbytes, copier.buffers))
+        self._writer.submit(
+            Snapshot(step, path, payload, copier.nbytes, copier.buffers, copier.ready)
+        )
         self._last_saved = step
         self._last_time = time.monotonic()
 

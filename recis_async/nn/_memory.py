@@ -13,7 +13,7 @@ made allocating a large buffer cost several times more than copying it (benchmar
   so ``torch.save`` writes no reserve.
 
 Where mappings or the advice are unavailable (not Linux, strict overcommit), this is plain
-``torch.zeros`` plus a copy.  A tensor keeps its mapping alive and it is unmapped when the
+``torch.zeros`` plus a copy; so it is for tensors on an accelerator (a table moved there).  A tensor keeps its mapping alive and it is unmapped when the
 last tensor over it is freed.
 """
 
@@ -55,8 +55,12 @@ def _view(region: mmap.mmap, shape: tuple[int, ...], dtype: torch.dtype) -> torc
     return torch.frombuffer(region, dtype=dtype, count=math.prod(shape)).view(shape)
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero-filled contiguous tensor of ``shape`` and ``dtype``."""
+def zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None = None
+) -> torch.Tensor:
+    """A zero-filled contiguous tensor of ``shape`` and ``dtype`` (on ``device``)."""
+    if device is not None and device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     region = _mapping(nbytes, reserve=False)
     if region is None:
@@ -78,6 +82,10 @@ class RowSpace:
     def grown(self, t: torch.Tensor, rows: int) -> torch.Tensor:
         """``t`` with ``rows`` rows: its own rows first, zeros after."""
         shape = (rows, *t.shape[1:])
+        if t.device.type != "cpu":
+            out = torch.zeros(shape, dtype=t.dtype, device=t.device)
+            out[: t.shape[0]] = t
+            return out
         nbytes = math.prod(shape) * t.element_size()
         region = self._regions.get(t.data_ptr())
         if region is not None and nbytes <= len(region) and t.is_contiguous():

@@ -8,6 +8,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from ._device import host_to
+from ._host import any_set, int_at
 from .autograd import sum_bags
 from .hashtable import HashTable, Initializer
 from .policy_spec import AdmitHook, FilterHook
@@ -92,6 +94,10 @@ class DynamicEmbedding(nn.Module):
     ``sum`` adds the rows of a bag; ``mean`` divides by the number of ids in the bag (ids
     without a row count, as zero rows).  Empty bags give zeros.
 
+    Ids, offsets and masks are read on the host (the table's id map is there); the rows and
+    the output are on the module's device (``.to(device)``), reached by one non-blocking copy
+    of each lookup's indices.
+
     Args:
         option: the table's shape, policies and combiner (:class:`EmbeddingOption`).
 
@@ -130,6 +136,10 @@ class DynamicEmbedding(nn.Module):
         admit_hook: AdmitHook | None = None,
     ) -> torch.Tensor:
         ids = self.table._check_ids(ids)
+        if isinstance(offsets, torch.Tensor) and offsets.device.type != "cpu":
+            offsets = offsets.cpu()  # read on the host, as the ids are
+        if isinstance(mask, torch.Tensor) and mask.device.type != "cpu":
+            mask = mask.cpu()
         if offsets is not None:
             flat, lengths, offsets = self._from_offsets(ids, offsets, mask)
         elif ids.dim() == 2:
@@ -163,11 +173,11 @@ class DynamicEmbedding(nn.Module):
         n = ids.numel()
         if offsets.numel() == 0:
             raise ValueError("offsets: expected at least one bag, got an empty tensor")
-        if int(offsets[0]) != 0:
-            raise ValueError(f"offsets: expected offsets[0] == 0, got {int(offsets[0])}")
+        if int_at(offsets, 0) != 0:
+            raise ValueError(f"offsets: expected offsets[0] == 0, got {int_at(offsets, 0)}")
         ends = torch.cat([offsets[1:], torch.tensor([n])])
         lengths = ends - offsets
-        if bool((lengths < 0).any()):
+        if any_set(lengths < 0):
             raise ValueError(f"offsets: expected non-decreasing values <= len(ids) = {n}")
         return ids, lengths, offsets
 
@@ -211,7 +221,11 @@ class DynamicEmbedding(nn.Module):
         bag_of = torch.repeat_interleave(
             torch.arange(bags), kept_lengths, output_size=slots.numel()
         )
-        out = sum_bags(table.weight, slots, kept_offsets, bag_of, table)
-        if self.option.combiner == "mean":
-            out = out / lengths.clamp(min=1).unsqueeze(1).to(out.dtype)
+        mean = self.option.combiner == "mean"
+        moved = host_to(
+            table.device, slots, kept_offsets, bag_of, *([lengths.clamp(min=1)] if mean else [])
+        )
+        out = sum_bags(table.weight, moved[0], moved[1], moved[2], table)
+        if mean:
+            out = out / moved[3].unsqueeze(1).to(out.dtype)
         return out

@@ -9,10 +9,20 @@ Eviction is split so the slow part stays off the training step: :meth:`HashTable
 copies the filter's stamps in short locked chunks and decides on the copy (safe in a worker
 thread), :meth:`HashTable.apply_eviction` re-checks each chosen row under the lock, in short
 chunks, and frees it.  A row looked up after the scan is never evicted by it.
+
+Devices: the id map, the free list and the filter's stamps stay on the host (ids come from
+the loader there; evictions never touch the rows), the rows follow the module:
+``table.to("cuda")`` moves ``weight``, its gradient and the row state of every attached
+optimizer.  Each lookup's slots go to the rows' device in one non-blocking copy from pinned
+memory (:mod:`recis_async.nn._device`); new rows are initialised there; gradients (dense or
+sparse) are accumulated there, so the optimizer step runs there too.  Nothing on the step reads
+a value from the device.  Ids given on a device are copied to the host first, which waits for
+the device: keep them on the host (``Trainer(keep_on_host=...)``).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -26,6 +36,8 @@ import torch
 from torch import nn
 
 from . import _memory
+from ._device import host_to
+from ._host import any_set
 from .autograd import gather_rows
 from .free_slots import FreeSlots
 from .policy import AdmitPolicy, FilterPolicy
@@ -34,6 +46,8 @@ from .registry import DEFAULT_POLICIES, PolicyRegistry
 from .slot_map import new_slot_map
 
 __all__ = ["HashTable", "EvictionPlan", "Initializer", "attach_optimizer"]
+
+logger = logging.getLogger(__name__)
 
 #: Fills a fresh ``[n, *embedding_shape]`` tensor in place (``torch.nn.init.normal_``, ...)
 #: or returns the rows to use.
@@ -198,6 +212,7 @@ class HashTable(nn.Module):
         self._evicted_total = 0
         self._last_eviction: dict[str, Any] = {}
         self._lookup_wait_max_s = 0.0
+        self._warned_device_ids = False
         self._lock = threading.Lock()
         self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         if self._filter is not None:
@@ -207,6 +222,11 @@ class HashTable(nn.Module):
     @property
     def capacity(self) -> int:
         return int(self.weight.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        """Where the rows are (follows ``table.to(...)``); the id map stays on the host."""
+        return self.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
@@ -272,13 +292,16 @@ class HashTable(nn.Module):
         """
         flat = self._check_ids(ids).reshape(-1)
         slots, known = self.lookup_slots(flat, admit_hook)
+        device = self.weight.device
         if known is None:
-            rows = gather_rows(self.weight, slots, self)
+            (on_device,) = host_to(device, slots)
+            rows = gather_rows(self.weight, on_device, self)
         else:
-            rows = torch.zeros(flat.numel(), self._dim, dtype=self.dtype)
+            rows = torch.zeros(flat.numel(), self._dim, dtype=self.dtype, device=device)
             hit = known.nonzero().squeeze(1)
             if hit.numel():
-                rows = rows.index_put((hit,), gather_rows(self.weight, slots[hit], self))
+                hit_d, slots_d = host_to(device, hit, slots[hit])
+                rows = rows.index_put((hit_d,), gather_rows(self.weight, slots_d, self))
         return rows.reshape(*ids.shape, *self.embedding_shape)
 
     def _check_ids(self, ids: torch.Tensor) -> torch.Tensor:
@@ -289,11 +312,26 @@ class HashTable(nn.Module):
                 f"HashTable {self.name!r}: ids: expected a dense tensor holding ids, got one "
                 f"on {ids.device} with layout {ids.layout}"
             )
+        if ids.device.type != "cpu":
+            ids = self._ids_to_host(ids)
         if ids.dtype == torch.int64:
             return ids
         if ids.dtype in (torch.int32, torch.int16, torch.int8, torch.uint8):
             return ids.to(torch.int64)
         raise ValueError(f"ids: expected an integer tensor (int64), got dtype {ids.dtype}")
+
+    def _ids_to_host(self, ids: torch.Tensor) -> torch.Tensor:
+        """The id map is on the host: ids on a device are read back, which waits for it."""
+        if not self._warned_device_ids:
+            self._warned_device_ids = True
+            logger.warning(
+                "HashTable %r: ids arrived on %s; the id map is on the host, so each lookup "
+                "copies them back and waits for the device. Keep ids on the host "
+                "(Trainer(keep_on_host=[...]))",
+                self.name,
+                ids.device,
+            )
+        return ids.cpu()
 
     def _admit_policy(self, admit_hook: AdmitHook | None) -> AdmitPolicy | None:
         if admit_hook is None:
@@ -331,12 +369,12 @@ class HashTable(nn.Module):
                 return slots, None
             slots = self._map.find(ids)
             miss = slots < 0
-            missing = bool(miss.any())
+            missing = any_set(miss)
             if train and missing:
                 assert admit is not None
                 slots = self._insert_admitted(ids, slots, miss, admit)
                 miss = slots < 0
-                missing = bool(miss.any())
+                missing = any_set(miss)
             if train and self._filter is not None:
                 self._filter.touch(slots[~miss] if missing else slots)
         finally:
@@ -404,6 +442,8 @@ class HashTable(nn.Module):
         if r + fresh == 0:
             return
         rows = self._initial_rows(r + fresh)
+        if r:
+            (reused,) = host_to(self.weight.device, reused)
         targets = [self.weight.data]
         grad = self.weight.grad
         if grad is not None and not grad.is_sparse:
@@ -417,7 +457,8 @@ class HashTable(nn.Module):
                 target[start : start + fresh] = rows[r:] if i == 0 else 0
 
     def _initial_rows(self, k: int) -> torch.Tensor:
-        rows = torch.zeros((k, *self.embedding_shape), dtype=self.dtype)
+        device = self.weight.device
+        rows = torch.zeros((k, *self.embedding_shape), dtype=self.dtype, device=device)
         if self._initializer is not None:
             out = self._initializer(rows)
             if isinstance(out, torch.Tensor):
@@ -426,7 +467,7 @@ class HashTable(nn.Module):
                         f"HashTable.initializer: expected it to fill or return a tensor of "
                         f"shape {tuple(rows.shape)}, it returned shape {tuple(out.shape)}"
                     )
-                rows = out.to(self.dtype)
+                rows = (out if out.device == device else out.to(device)).to(self.dtype)
         return rows.reshape(k, self._dim)
 
     def _grow(self, need: int) -> None:
@@ -434,9 +475,10 @@ class HashTable(nn.Module):
         new = max(old, _MIN_CAPACITY)
         while new < need:
             new = new * 3 // 2
-        _check_fits(
-            f"HashTable {self.name!r} growing to hold {need} ids", new, self._dim, self.dtype
-        )
+        if self.weight.device.type == "cpu":  # a device's allocator says so itself
+            _check_fits(
+                f"HashTable {self.name!r} growing to hold {need} ids", new, self._dim, self.dtype
+            )
         self.weight.data = self._padded(self.weight.data, new)
         grad = self.weight.grad
         if grad is not None:
@@ -489,11 +531,25 @@ class HashTable(nn.Module):
                 w.grad = g if w.grad is None else w.grad + g
                 return
             if w.grad is None:
-                w.grad = _memory.zeros(tuple(w.shape), w.dtype)
+                w.grad = _memory.zeros(tuple(w.shape), w.dtype, w.device)
             w.grad.index_add_(0, slots, rows)
 
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> HashTable:
+        """``Module._apply`` (``.to()``, ``.cuda()``, ``.double()``...) plus the per-row state
+        of the attached optimizers, which a module move would leave behind."""
+        before = (self.weight.device, self.weight.dtype)
+        super()._apply(fn, recurse)
+        if (self.weight.device, self.weight.dtype) != before:
+            with self._lock:
+                for state in self._optimizer_states():
+                    for key, value in list(state.items()):
+                        if self._is_row_state(value):
+                            state[key] = fn(value)
+        return self
+
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Keep ``optimizer``'s per-row state in step with the table (held weakly)."""
+        """Keep ``optimizer``'s per-row state in step with the table (held weakly); it also
+        follows the table to another device or dtype (``table.to(...)``)."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(
                 f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
@@ -653,7 +709,9 @@ class HashTable(nn.Module):
             cap = int(weight.shape[0])
             if self.weight.grad is not None:
                 self.weight.grad = None
-            self.weight.data = weight.detach().to(self.dtype).clone()
+            self.weight.data = weight.detach().to(
+                device=self.weight.device, dtype=self.dtype, copy=True
+            )
             self._map = new_slot_map(4 * int(ids.numel()))
             self._map.insert(ids, slots)
             live = torch.zeros(cap, dtype=torch.bool)

@@ -7,7 +7,11 @@ step 3), ``uneven`` (rank 0 has 5 batches, rank 1 has 8; two epochs), ``nan`` (r
 is NaN at step 3; ``NanTensorHook(fail_on_nan_loss=False)`` on every rank), ``trace`` (every
 rank traces 8 rows a step to Parquet under OUT_DIR and to the ODPS service named by the
 ``TEST_ODPS_*`` environment, ``StopAtStepHook(last_step=12)``, ``LoggerHook``,
-``CheckpointSaverHook`` every 4 steps into OUT_DIR/ckpt).  Each rank writes
+``CheckpointSaverHook`` every 4 steps into OUT_DIR/ckpt), ``overlap`` (in its step 3 rank 1
+waits, 30 s at most, for a file rank 0 writes in its step 4: rank 0 gets there only if the
+step boundary does not wait for rank 1; then rank 1 requests a stop after step 5),
+``uneven_stop`` (as ``uneven``, and rank 1 requests a stop in step 4, the last step rank 0
+has data for).  Each rank writes
 ``OUT_DIR/rank<r>.json``: the AfterStep steps it saw, how the run ended, and any error text.
 """
 
@@ -17,6 +21,7 @@ import json
 import logging
 import os
 import sys
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -45,16 +50,29 @@ TYPES = ["bigint", "bigint", "bigint"]
 
 
 class Model(torch.nn.Module):
-    def __init__(self, fail_at: int | None, nan_at: int | None, trace: bool) -> None:
+    def __init__(
+        self, fail_at: int | None, nan_at: int | None, trace: bool, overlap: Path | None = None
+    ) -> None:
         super().__init__()
         self.linear = torch.nn.Linear(4, 1)
         self.fail_at = fail_at
         self.nan_at = nan_at
         self.trace = trace
+        self.overlap = overlap  # OUT_DIR in mode "overlap"
+        self.overlapped: bool | None = None
         self.calls = 0
 
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
         step = self.calls
+        if self.overlap is not None:
+            marker = self.overlap / "rank0-in-step-4"
+            if tdist.get_rank() == 0 and step == 4:
+                marker.write_text("")
+            if tdist.get_rank() == 1 and step == 3:  # rank 0 must get past boundary 3 alone
+                deadline = time.monotonic() + 30
+                while not marker.exists() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                self.overlapped = marker.exists()
         if step == self.fail_at:
             raise ValueError(f"model blew up on rank {tdist.get_rank()}")
         self.calls += 1
@@ -97,12 +115,17 @@ async def main(out: Path, mode: str) -> None:
 
     tdist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = tdist.get_rank()
-    n = {"uneven": 5 if rank == 0 else 8}.get(mode, 20)
+    uneven = mode in ("uneven", "uneven_stop")
+    n = 5 if uneven and rank == 0 else 8 if uneven else 20
     data = [torch.randn(8, 4) for _ in range(n)]
-    record = Record(rank, 3 if (mode == "stop" and rank == 1) else None)
+    stop_at = {"stop": 3, "overlap": 5, "uneven_stop": 4}.get(mode)
+    record = Record(rank, stop_at if rank == 1 else None)
     on_rank1 = 3 if rank == 1 else None
     model = Model(
-        on_rank1 if mode == "fail" else None, on_rank1 if mode == "nan" else None, mode == "trace"
+        on_rank1 if mode == "fail" else None,
+        on_rank1 if mode == "nan" else None,
+        mode == "trace",
+        out if mode == "overlap" else None,
     )
     hooks: list[Hook] = [record]
     if mode == "nan":
@@ -132,7 +155,7 @@ async def main(out: Path, mode: str) -> None:
         ]
     args = TrainingArguments(
         save_steps=None,
-        train_epoch=2 if mode == "uneven" else 1,
+        train_epoch=2 if uneven else 1,
         collective_timeout=30,
     )
     trainer = Trainer(
@@ -157,6 +180,7 @@ async def main(out: Path, mode: str) -> None:
     result["status"] = record.status
     result["stop_reason_seen"] = record.bus.stop_reason
     result["log_lines"] = lines
+    result["overlapped"] = model.overlapped
     if mode == "trace":
         result["checkpoint_step_seen"] = latest_checkpoint_step(out / "ckpt")
         # every rank restores rank 0's checkpoint into a fresh model
