@@ -109,17 +109,22 @@ class SummarySaverHook(Hook):
                 self._names.add(key)
         params: dict[str, Any] = {}
         if self.model is not None:
+            # a float32 copy on the parameter's device (the next optimizer step must not
+            # reach it), read with the metrics in a worker thread: no read on the step
             for name, param in self.model.named_parameters():
-                params[f"params/{name}"] = (
-                    param.detach().to("cpu", dtype=torch.float32, copy=True).numpy()
-                )
-        if has_tensor(event.metrics.values()) or self._reads.busy:  # read off the step
+                params[f"params/{name}"] = param.detach().to(dtype=torch.float32, copy=True)
+        if params or has_tensor(event.metrics.values()) or self._reads.busy:  # off the step
             await self._reads.put(
-                functools.partial(read_values, event.metrics),
-                functools.partial(self._record, event.global_step, time.time(), params),
+                functools.partial(_read, params, event.metrics),
+                functools.partial(self._record_read, event.global_step, time.time()),
             )
         else:
             await self._record(event.global_step, time.time(), params, event.metrics)
+
+    async def _record_read(
+        self, step: int, when: float, read: tuple[dict[str, Any], dict[str, Any]]
+    ) -> None:
+        await self._record(step, when, *read)
 
     async def _record(
         self, step: int, when: float, params: dict[str, Any], metrics: dict[str, Any]
@@ -139,3 +144,11 @@ class SummarySaverHook(Hook):
     def end(self, event: End) -> None:
         if self._service is not None:
             self._service.set_status(event.status)
+
+
+def _read(
+    params: dict[str, torch.Tensor], metrics: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The parameters' copies as numpy arrays of their shape, and the metrics, on the host
+    (blocking: the worker thread's job)."""
+    return {k: v.numpy(force=True) for k, v in params.items()}, read_values(metrics)
