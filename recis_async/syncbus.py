@@ -49,6 +49,11 @@ from typing import Any, TypeVar
 import anyio
 import greenlet
 
+try:
+    import sniffio
+except ImportError:  # anyio runs without it; trio needs it
+    sniffio = None  # type: ignore[assignment]
+
 from . import collect
 from ._checks import one_of
 from .bus import HookBus
@@ -67,6 +72,15 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 _get_running_loop = _asyncio_events._get_running_loop
 _set_running_loop = _asyncio_events._set_running_loop
+
+
+class _NoLocal:
+    """Stands in for ``sniffio.thread_local`` where sniffio is not installed."""
+
+    name: str | None = None
+
+
+_library: Any = sniffio.thread_local if sniffio is not None else _NoLocal()
 
 
 class _Call:
@@ -163,6 +177,7 @@ class SyncHookBus:
         self._options = dict(backend_options or {})
         self._state = "new"  # new -> open -> closed
         self._outside: asyncio.AbstractEventLoop | None = None  # the thread's own asyncio loop
+        self._outside_library: str | None = None  # and sniffio's thread-local name there
         self._greenlet: greenlet.greenlet | None = None  # where the loop runs
         self._caller: greenlet.greenlet | None = None  # what it switches back to
         self._switch: Callable[[Any], Any] = self._not_open
@@ -175,6 +190,7 @@ class SyncHookBus:
         self._token = collect.bind(self._bus._collector)  # add_metric & co. in the block
         self._caller = greenlet.getcurrent()
         self._outside = _get_running_loop()  # a notebook's; set again whenever the caller runs
+        self._outside_library = _library.name
         loop_greenlet = greenlet.greenlet(self._run, parent=self._caller)
         loop_greenlet.gr_context = contextvars.copy_context()  # the caller's contextvars
         self._greenlet = loop_greenlet
@@ -225,7 +241,13 @@ class SyncHookBus:
 
     def _run(self, _: object) -> _Closed:
         """The loop's greenlet: ``anyio.run`` until the bus closes."""
-        _set_running_loop(None)  # asyncio refuses to start inside a running loop (a notebook's)
+        # What says "an event loop runs in this thread" is the caller's while it runs (see
+        # _serve); here it starts clean: asyncio refuses to start inside a running loop (a
+        # notebook's), anyio inside a library it detects (the caller's context is copied).
+        _set_running_loop(None)
+        _library.name = None
+        if sniffio is not None:
+            sniffio.current_async_library_cvar.set(None)
         options = dict(self._options)
         if self._backend == "asyncio":
             # A loop of our own, not set as the thread's current one (asyncio.Runner would
@@ -249,17 +271,19 @@ class SyncHookBus:
             if replaced and signal.getsignal(signal.SIGINT) is _keyboard_interrupt:
                 signal.signal(signal.SIGINT, signal.default_int_handler)
             _set_running_loop(self._outside)  # the greenlet returns to the caller
+            _library.name = self._outside_library
 
     async def _serve(self, restore_sigint: bool) -> _Closed:
         """The body task: enter the HookBus, serve the caller's requests, leave it.
 
-        Each switch to the caller sets the thread's running asyncio loop back to what it was
-        outside (``None``, or a notebook's loop), and each switch back sets the bus's again:
-        done here, so a publish from the caller costs two switches and nothing more."""
+        Each switch to the caller sets the thread's running asyncio loop (and sniffio's
+        thread-local library name, which trio sets) back to what they were outside (``None``,
+        or a notebook's loop), and each switch back sets the bus's again: done here, so a
+        publish from the caller costs two switches and these four assignments."""
         if restore_sigint and signal.getsignal(signal.SIGINT) is _keyboard_interrupt:
             signal.signal(signal.SIGINT, signal.default_int_handler)
         loop = asyncio.get_running_loop() if self._backend == "asyncio" else None
-        outside = self._outside
+        outside, outside_library, library = self._outside, self._outside_library, _library.name
         bus = self._bus
         await bus.__aenter__()
         assert self._caller is not None
@@ -269,8 +293,10 @@ class SyncHookBus:
         exc: BaseException | None = None
         try:
             set_loop(outside)
+            _library.name = outside_library
             request = to_caller(None)
             set_loop(loop)
+            _library.name = library
             while True:
                 kind = type(request)
                 if kind is _Call:
@@ -293,12 +319,15 @@ class SyncHookBus:
                     else:
                         reply = None
                 set_loop(outside)
+                _library.name = outside_library
                 request = to_caller(reply)
                 set_loop(loop)
+                _library.name = library
         except BaseException as body:
             # The body ends here: the second stop signal's cancellation, a KeyboardInterrupt
             # or SystemExit raised by a subscriber, or the bus dropped while open.
             set_loop(loop)
+            _library.name = library
             exc = body
         try:
             swallowed = await bus.__aexit__(
