@@ -21,6 +21,7 @@ import anyio
 import numpy as np
 import pyarrow.dataset as ds
 import pytest
+import sniffio
 from terminal import Terminal
 
 from recis_async import (
@@ -299,24 +300,44 @@ def test_open_and_close_without_a_with_block(backend: str) -> None:
         add_metric("loss", 1.0)
 
 
-def test_inside_an_async_caller_too() -> None:
+@pytest.mark.parametrize(
+    ("outer", "inner"), [("asyncio", "asyncio"), ("asyncio", "trio"), ("trio", "asyncio")]
+)
+def test_inside_an_async_caller_too(outer: str, inner: str) -> None:
     """Entered from code that runs an event loop of its own (a notebook cell, an async test):
     the bus's loop runs beside it, and the caller's loop is left as it was."""
 
     async def caller() -> list[Any]:
-        mine = asyncio.get_running_loop()
+        mine = asyncio.get_running_loop() if outer == "asyncio" else None
         log: list[Any] = []
-        with SyncHookBus() as bus:
+        with SyncHookBus(backend=inner) as bus:
             bus.add_hook(Recorder(log))
             bus.publish(BeforeStep(global_step=0))
-            assert asyncio.get_running_loop() is mine
-            await asyncio.sleep(0)
+            assert sniffio.current_async_library() == outer
+            if mine is not None:
+                assert asyncio.get_running_loop() is mine
+            await anyio.sleep(0)
             add_metric("loss", 1.0)
             bus.publish(AfterStep(global_step=0))
-        assert asyncio.get_running_loop() is mine
+        assert sniffio.current_async_library() == outer
         return log
 
-    assert asyncio.run(caller()) == [("BeforeStep", 0), ("AfterStep", 0, {"loss": 1.0}), ("End", "ok")]
+    log = anyio.run(caller, backend=outer)
+    assert log == [("BeforeStep", 0), ("AfterStep", 0, {"loss": 1.0}), ("End", "ok")]
+
+
+def test_without_signal_handling_ctrl_c_is_a_plain_keyboard_interrupt(backend: str) -> None:
+    """handle_signals=False: a SIGINT raises KeyboardInterrupt where the code is, as in any
+    Python program (not a cancellation of the bus's loop seen at a later publish)."""
+    log: list[Any] = []
+    with pytest.raises(KeyboardInterrupt):
+        with sync_bus(backend, handle_signals=False) as bus:
+            bus.add_hook(Recorder(log))
+            bus.publish(BeforeStep(global_step=0))
+            signal.raise_signal(signal.SIGINT)
+            log.append("not reached")
+    assert log == [("BeforeStep", 0), ("Error", "KeyboardInterrupt"), ("End", "failed")]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_hooks_see_the_hook_bus(backend: str) -> None:
