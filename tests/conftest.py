@@ -3,10 +3,12 @@ behind, neither in the checkout nor in the temp folder other programs share."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -62,3 +64,81 @@ def _remove(path: Path) -> None:
         path.rmdir()
     else:
         path.unlink()
+
+
+# ---------------------------------------------------------------- both buses
+# A hook test module opts in with ``pytestmark = pytest.mark.usefixtures("either_bus")``:
+# each of its tests that opens a bus of its own (``HookBus(`` in its source) then runs twice,
+# on HookBus and on SyncHookBus, with the test unchanged.  A test that cannot run on the
+# synchronous bus (it awaits background progress between publishes, say) is marked
+# ``@pytest.mark.async_bus_only``.
+
+
+class SyncBusInAsyncTest:
+    """What a test's ``async with HookBus(...) as bus:`` gets on the "sync" run: a
+    :class:`SyncHookBus` served from the test's body, ``await bus.publish(ev)`` calling its
+    synchronous ``publish``.  Its loop runs beside the test's (the other backend: trio cannot
+    run inside trio), as a notebook cell's would."""
+
+    backend = "asyncio"
+
+    def __init__(self, flush_timeout: float = 60.0, *, handle_signals: bool = True) -> None:
+        from recis_async import SyncHookBus
+
+        self.sync_bus = SyncHookBus(
+            flush_timeout, handle_signals=handle_signals, backend=self.backend
+        )
+
+    async def __aenter__(self) -> SyncBusInAsyncTest:
+        self.sync_bus.__enter__()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> bool:
+        return self.sync_bus.__exit__(*exc)
+
+    async def publish(self, event: Any) -> None:
+        self.sync_bus.publish(event)
+
+    async def aclose(self) -> None:
+        self.sync_bus.close()
+
+    def __getattr__(self, name: str) -> Any:  # add_hook, should_stop, stats, ...
+        target = self.sync_bus if hasattr(self.sync_bus, name) else self.sync_bus.hook_bus
+        return getattr(target, name)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "either_bus" not in metafunc.fixturenames:
+        return
+    kinds = ["HookBus"]
+    if metafunc.definition.get_closest_marker("async_bus_only") is None:
+        try:
+            source = inspect.getsource(metafunc.function)
+        except (OSError, TypeError):
+            source = ""
+        if "HookBus(" in source:
+            kinds.append("SyncHookBus")
+    metafunc.parametrize("either_bus", kinds, indirect=True)
+
+
+@pytest.fixture
+def either_bus(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``HookBus`` in the test's module is the real one, or a SyncHookBus behind
+    :class:`SyncBusInAsyncTest` (see above)."""
+    kind = str(request.param)
+    if kind == "SyncHookBus":
+        callspec = getattr(request.node, "callspec", None)
+        outer = callspec.params.get("anyio_backend") if callspec is not None else None
+        driver = type(
+            "SyncHookBus",
+            (SyncBusInAsyncTest,),
+            {"backend": "trio" if outer == "asyncio" else "asyncio"},
+        )
+        monkeypatch.setattr(request.module, "HookBus", driver)
+    return kind
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "async_bus_only: not run on SyncHookBus by the either_bus fixture"
+    )

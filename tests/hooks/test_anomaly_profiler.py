@@ -16,7 +16,7 @@ from recis_async.events import AfterLoadCheckpoint, AfterStep, BeforeStep, Start
 from recis_async.hooks import AnomalyProfilerHook
 from recis_async.hooks.anomaly_profiler import MIN_HISTORY
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("either_bus")]
 
 
 class Clock:

@@ -24,7 +24,7 @@ from recis_async.hooks import (
 )
 from recis_async.subscription import Filters, StepCadence, is_train
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("either_bus")]
 
 RESTORED, END = 23, 40
 

@@ -35,7 +35,7 @@ from recis_async.hooks import (
     restore_checkpoint,
 )
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("either_bus")]
 
 
 class Net(torch.nn.Module):
@@ -166,6 +166,7 @@ async def test_the_write_starts_on_the_snapshot_step(tmp_path: Path) -> None:
         assert path.exists(), "the write had not started by the end of the snapshot step"
 
 
+@pytest.mark.async_bus_only  # awaits the hook's own coroutines from the test
 async def test_restore_into_a_fresh_model_gives_equal_weights_and_hook_state(
     tmp_path: Path,
 ) -> None:
@@ -277,6 +278,7 @@ async def test_the_snapshot_copy_is_split_over_threads_and_done_on_the_step(
     assert_same_state(restored.state_dict(), expected)
 
 
+@pytest.mark.async_bus_only  # awaits the hook's own coroutines from the test
 async def test_max_to_keep_keeps_the_newest(tmp_path: Path) -> None:
     model, opt, sched = parts()
     (tmp_path / "notes.txt").write_text("not a checkpoint")
@@ -292,6 +294,7 @@ async def test_max_to_keep_keeps_the_newest(tmp_path: Path) -> None:
     assert latest_checkpoint_step(tmp_path / "missing") is None
 
 
+@pytest.mark.async_bus_only  # awaits the hook's own coroutines from the test
 async def test_a_newer_snapshot_replaces_a_waiting_one(tmp_path: Path) -> None:
     """Saving every step faster than the disk: at most one write in flight plus one waiting;
     the newest state always lands."""
@@ -317,6 +320,7 @@ async def train_flushing(
         await saver.flush()
 
 
+@pytest.mark.async_bus_only  # awaits the hook's own coroutines from the test
 async def test_every_written_file_holds_its_own_steps_state(tmp_path: Path) -> None:
     """Snapshots overwrite the spare buffers of older ones: never one still being written."""
     model, opt, sched = parts()
@@ -368,6 +372,7 @@ async def test_the_writer_thread_runs_reniced(
         assert seen == [("recis-checkpoint-writer", expected)]
 
 
+@pytest.mark.async_bus_only  # awaits the hook's own coroutines from the test
 async def test_buffers_are_allocated_off_the_step_and_reused(tmp_path: Path) -> None:
     model, opt, sched = parts()
     params = sum(p.nbytes for p in model.parameters())
@@ -397,6 +402,7 @@ async def test_buffers_are_allocated_off_the_step_and_reused(tmp_path: Path) -> 
         assert spare() == 0
 
 
+@pytest.mark.async_bus_only  # awaits the hook's own coroutines from the test
 async def test_end_saves_the_last_step_unless_the_run_failed(tmp_path: Path) -> None:
     model, opt, sched = parts()
     async with HookBus() as bus:
@@ -475,6 +481,7 @@ async def test_an_unwritable_directory_raises_at_close(tmp_path: Path) -> None:
     assert os.listdir(tmp_path) == ["ckpt"]
 
 
+@pytest.mark.async_bus_only  # awaits the hook's own coroutines from the test
 async def test_a_failed_writer_refuses_later_saves_loudly(tmp_path: Path) -> None:
     model, opt, sched = parts()
     target = tmp_path / "ckpt"

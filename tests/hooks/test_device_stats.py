@@ -19,7 +19,7 @@ from recis_async.events import AfterStep, BeforeStep, Start
 from recis_async.hooks import DeviceStatsHook, MLTrackerHook, OOMObserverHook
 from recis_async.trackers import JsonlTracker, read_records
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("either_bus")]
 
 MIB = 1 << 20
 

@@ -21,7 +21,7 @@ from recis_async.hooks import (
     restore_checkpoint,
 )
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("either_bus")]
 
 
 async def evals(bus: HookBus, values: list[float], key: str = "auc") -> list[bool]:

@@ -19,7 +19,7 @@ from recis_async.hooks import (
     restore_checkpoint,
 )
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("either_bus")]
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -104,6 +104,7 @@ async def test_history_from_the_trainer() -> None:
     ]
 
 
+@pytest.mark.async_bus_only  # awaits the hook's own coroutines from the test
 async def test_history_restored_from_a_checkpoint_rewrites_the_csv_without_duplicates(
     tmp_path: Path,
 ) -> None:

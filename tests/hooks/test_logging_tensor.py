@@ -17,7 +17,7 @@ from recis_async.hooks import (
     LoggingTensorHook,
 )
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("either_bus")]
 
 
 async def test_logging_tensor_every_n_iter(caplog: pytest.LogCaptureFixture) -> None:

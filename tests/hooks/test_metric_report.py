@@ -16,7 +16,7 @@ from recis_async.hooks import MetricReportHook, MLTrackerHook, ReportArguments
 from recis_async.hooks.metric_report import peak_flops
 from recis_async.trackers import JsonlTracker, read_records
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("either_bus")]
 
 
 class Clock:

@@ -19,7 +19,7 @@ from recis_async.hooks import (
     NanTensorHook,
 )
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("either_bus")]
 
 
 async def test_nan_loss_fails_the_step_before_lower_priority_hooks_see_it() -> None:

@@ -23,7 +23,7 @@ from recis_async.events import (
 )
 from recis_async.hooks import NvtxHook
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("either_bus")]
 
 
 class Recorder:

@@ -25,7 +25,7 @@ from recis_async.hooks import ClipGradNormHook, GradNormHook, LearningRateHook, 
 from recis_async.nn import HashTable
 from recis_async.trackers import JsonlTracker, read_records
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("either_bus")]
 
 ACCUMULATE = 2
 STEPS = 8

@@ -13,7 +13,7 @@ from recis_async import HookBus, HookError
 from recis_async.events import AfterStep, BeforeStep, Start
 from recis_async.hooks import ProfilerHook
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("either_bus")]
 
 
 async def _train(bus: HookBus, steps: int, *, eval_every: int = 0) -> None:

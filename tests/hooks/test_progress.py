@@ -16,7 +16,7 @@ from recis_async.hooks import (
     ProgressBarHook,
 )
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("either_bus")]
 
 
 def bar_trainer(hooks: list[Hook], n: int = 5, **kwargs: Any) -> Trainer:

@@ -16,7 +16,7 @@ from recis_async.hooks import (
     StepCounterHook,
 )
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("either_bus")]
 
 
 async def test_step_counter_rides_on_every_nth_step_and_leaves_eval_out(

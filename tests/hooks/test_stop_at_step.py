@@ -13,7 +13,7 @@ from recis_async.hooks import (
     StopAtStepHook,
 )
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("either_bus")]
 
 
 async def test_stop_at_last_step_with_the_trainer() -> None:

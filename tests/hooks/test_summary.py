@@ -11,7 +11,7 @@ from recis_async import HookBus, HookError, add_metric
 from recis_async.events import AfterStep, BeforeStep
 from recis_async.hooks import SummarySaverHook
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("either_bus")]
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 

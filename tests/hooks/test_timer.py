@@ -15,7 +15,7 @@ from recis_async import Hook, HookBus
 from recis_async.events import AfterData, AfterLoadCheckpoint, AfterStep, BeforeStep, Start
 from recis_async.hooks import TimerHook, latest_checkpoint_step
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("either_bus")]
 
 
 class Clock:
