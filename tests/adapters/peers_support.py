@@ -59,12 +59,16 @@ class Net(torch.nn.Module):
     """A linear regression whose forward records the batch for the hooks and returns
     ``{"loss": ...}`` (Hugging Face's convention)."""
 
+    fail_at: int | None = None  # raise RuntimeError("boom") at the batch holding id fail_at * ROWS
+
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.fc = torch.nn.Linear(FEATURES, 1)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor) -> dict[str, Any]:
+        if self.training and Net.fail_at is not None and int(ids[0]) == Net.fail_at * ROWS:
+            raise RuntimeError("boom")
         if self.training:
             add_to_trace("id", ids)
             add_to_ml_tracker("first_id", ids[:1])
@@ -223,6 +227,7 @@ def hf_job(out: Path, callback: Any, *, rows: int, epochs: int = 1, **kw: Any) -
         disable_tqdm=True,
         dataloader_num_workers=0,
         remove_unused_columns=False,
+        train_sampling_strategy="sequential",
         **kw,
     )
     trainer = transformers.Trainer(
@@ -256,3 +261,137 @@ def ignite_job(
 
 def ids_array(step: int) -> np.ndarray:
     return np.arange(step * ROWS, (step + 1) * ROWS)
+
+
+# --------------------------------------------------------------------------- per framework
+FRAMEWORKS = ("lightning", "transformers", "ignite")
+
+
+def run_job(framework: str, out: Path, hooks: Sequence[Hook], *, rows: int, epochs: int = 1,
+            bus: Any = None, fail_at: int | None = None) -> int:
+    """Run ``framework``'s job with ``hooks`` through its adapter; returns the framework's own
+    count of the steps it ran.  ``fail_at``: the model raises ``RuntimeError("boom")`` at that
+    training step (the adapter then opened around the run with ``with``)."""
+    if fail_at is not None:
+        Net.fail_at = fail_at
+    try:
+        if framework == "lightning":
+            from recis_async.adapters.lightning import RecisCallback
+
+            cb = RecisCallback(hooks, bus=bus)
+            return int(lightning_job(out, cb, rows=rows, epochs=epochs).global_step)
+        if framework == "transformers":
+            from recis_async.adapters.transformers import RecisTrainerCallback
+
+            hf = RecisTrainerCallback(hooks, bus=bus)
+            if fail_at is None:
+                return int(hf_job(out, hf, rows=rows, epochs=epochs).state.global_step)
+            with hf:  # the Trainer tells no callback that it failed
+                return int(hf_job(out, hf, rows=rows, epochs=epochs).state.global_step)
+        from recis_async.adapters.ignite import attach
+
+        engine = ignite_job(out, lambda e: attach(e, hooks, bus=bus), rows=rows, epochs=epochs)
+        return int(engine.state.iteration)
+    finally:
+        Net.fail_at = None
+
+
+def checkpoint_and_resume(framework: str, out: Path, first: Hook, second: Hook, *, steps: int) -> None:
+    """Train one epoch of ``steps`` steps with ``first`` on the bus, saving a checkpoint at its
+    end with the framework's own checkpointing; then resume from it for a second epoch with
+    ``second``."""
+    rows = ROWS * steps
+    if framework == "lightning":
+        import lightning.pytorch as pl
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        from recis_async.adapters.lightning import RecisCallback
+
+        def fit(hook: Hook, epochs: int, ckpt: str | None) -> None:
+            trainer = pl.Trainer(
+                max_epochs=epochs,
+                callbacks=[RecisCallback([hook]), ModelCheckpoint(dirpath=out / "ckpt", filename="c")],
+                default_root_dir=str(out / "pl"),
+                logger=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                accelerator="cpu",
+                devices=1,
+            )
+            loader = torch.utils.data.DataLoader(Rows(rows), batch_size=ROWS, shuffle=False)
+            trainer.fit(_lightning_module(), loader, ckpt_path=ckpt)
+
+        fit(first, 1, None)
+        fit(second, 2, str(out / "ckpt" / "c.ckpt"))
+    elif framework == "transformers":
+        import transformers
+
+        from recis_async.adapters.transformers import RecisTrainerCallback
+
+        def train(hook: Hook, epochs: int, resume: bool) -> None:
+            args = transformers.TrainingArguments(
+                output_dir=str(out / "hf"),
+                per_device_train_batch_size=ROWS,
+                num_train_epochs=epochs,
+                save_strategy="epoch",
+                report_to=[],
+                use_cpu=True,
+                disable_tqdm=True,
+                remove_unused_columns=False,
+                train_sampling_strategy="sequential",
+            )
+            trainer = transformers.Trainer(
+                model=Net(), args=args, train_dataset=Rows(rows),
+                callbacks=[RecisTrainerCallback([hook])],
+            )
+            trainer.train(resume_from_checkpoint=resume or None)
+
+        train(first, 1, False)
+        train(second, 2, True)
+    else:
+        from ignite.engine import Engine, Events
+        from ignite.handlers import Checkpoint, DiskSaver
+
+        from recis_async.adapters.ignite import attach
+
+        def run(hook: Hook, epochs: int, resume: bool) -> None:
+            net = Net()
+            optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+
+            def update(engine: Engine, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+                optimizer.zero_grad()
+                loss = net(**batch)["loss"]
+                loss.backward()
+                optimizer.step()
+                return loss.detach()
+
+            engine = Engine(update)
+            adapter = attach(engine, [hook])
+            objects = {"model": net, "optimizer": optimizer, "trainer": engine, "hooks": adapter}
+            saver = Checkpoint(objects, DiskSaver(str(out / "ckpt"), require_empty=False), n_saved=1)
+            engine.add_event_handler(Events.EPOCH_COMPLETED, saver)
+            if resume:
+                (path,) = (out / "ckpt").glob("*.pt")
+                Checkpoint.load_objects(objects, str(path))
+            loader = torch.utils.data.DataLoader(Rows(rows), batch_size=ROWS, shuffle=False)
+            engine.run(loader, max_epochs=epochs)
+
+        run(first, 1, False)
+        run(second, 2, True)
+
+
+def _lightning_module() -> Any:
+    import lightning.pytorch as pl
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = Net()
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
+            return self.net(**batch)["loss"]
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    return Module()
