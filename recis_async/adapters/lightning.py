@@ -234,7 +234,8 @@ def _batches_before(trainer: pl.Trainer) -> int:
 def _batches_done(trainer: pl.Trainer) -> int:
     """Training batches done over the run (``processed``: counted before the callbacks of
     the batch's end, where checkpoints are saved; ``completed`` after them)."""
-    return int(trainer.fit_loop.epoch_loop.batch_progress.total.processed)
+    total = trainer.fit_loop.epoch_loop.batch_progress.total
+    return int(getattr(total, "processed", total.completed))
 
 
 def _loss_and_metrics(outputs: Any) -> tuple[Any, dict[str, Any]]:
