@@ -1,6 +1,7 @@
 """recis_async: an asynchronous event-bus hook engine for PyTorch training loops.
 
-``async with HookBus() as bus:`` around the training code; hooks subscribe to typed lifecycle
+``async with HookBus() as bus:`` around the training code (``with SyncHookBus() as bus:``
+around synchronous code); hooks subscribe to typed lifecycle
 events; slow work (trace uploads, experiment tracking, checkpoints) runs in background
 services that drain when the block is left.
 
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from .priority import Priority
     from .service import Service
     from .subscription import Subscription
+    from .syncbus import SyncHookBus
     from .trace import OdpsSink, ParquetSink
     from .trainer import Trainer, TrainingArguments
 
@@ -78,6 +80,7 @@ _WHERE = {
     "OdpsSink": ".trace",
     "ParquetSink": ".trace",
     "Subscription": ".subscription",
+    "SyncHookBus": ".syncbus",
     "Trainer": ".trainer",
     "TrainingArguments": ".trainer",
 }
@@ -102,6 +105,7 @@ __all__ = [
     "Service",
     "SinkError",
     "Subscription",
+    "SyncHookBus",
     "TraceDeliveryError",
     "TraceHook",
     "TraceToOdpsHook",

@@ -1,0 +1,537 @@
+"""SyncHookBus: the :class:`~recis_async.HookBus` driven from plain synchronous code.
+
+    with SyncHookBus() as bus:
+        bus.add_hook(LoggerHook(log_step=100))
+        bus.publish(Start())
+        for step, batch in enumerate(loader):
+            bus.publish(BeforeStep(global_step=step))
+            loss = train_step(batch)
+            add_metric("loss", loss)
+            bus.publish(AfterStep(global_step=step, samples=len(batch)))
+            if bus.should_stop:
+                break
+
+How it works, and why this way.  The bus needs a running event loop (its task group, its
+services, the close deadline), and ``publish`` must cost about what ``await bus.publish`` costs,
+so it cannot hop to another thread per event (anyio's blocking portal costs ~100 us a call
+here).  So the event loop runs in a *greenlet* of the caller's own thread: ``__enter__`` starts
+``anyio.run`` in it and enters a real ``HookBus`` there; ``publish`` switches into that greenlet
+(a stack switch, well under a microsecond), where the body task does ``await bus.publish(event)``
+and switches back.  The code that runs is HookBus's own: routes, filters, priorities,
+``on_error``, the collector merge, the periodic yield to services, signals, ``End`` once, the
+close deadline and the drain.  Coroutine subscribers run as in any async loop, and may suspend
+(``await anyio.sleep``, real async I/O, a built-in hook's ``to_thread`` call): the loop runs
+until they are done, then ``publish`` returns.  Between two publishes the loop is paused, as an
+async loop is while its step computes: worker threads keep working, and what they finished is
+picked up at the next publish (every ~100 ms, as ``HookBus`` does) or at close.
+
+The caller's thread is the loop's thread, so signal handlers are installed there (the main
+thread: SIGINT/SIGTERM stop the loop gracefully, exit status 130/143), and no thread is left
+behind.  Outside ``publish`` the thread does not look like it runs an event loop: the loop is
+set as the thread's running asyncio loop only while the greenlet runs, so a notebook's own
+loop (Jupyter runs cells inside one) is left as it was, and code in the block may call
+``asyncio.run`` itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import inspect
+import signal
+import threading
+from asyncio import events as _asyncio_events
+from collections.abc import Callable, Mapping
+from contextvars import Token
+from types import FrameType, TracebackType
+from typing import Any, TypeVar
+
+import anyio
+import greenlet
+
+try:
+    import sniffio
+except ImportError:  # anyio runs without it; trio needs it
+    sniffio = None  # type: ignore[assignment]
+
+from . import collect
+from ._checks import one_of
+from .bus import HookBus
+from .collect import StepCollector
+from .errors import OnError
+from .events import Event
+from .hook import Hook
+from .priority import Priority
+from .service import Service
+from .subscription import Subscription
+
+__all__ = ["SyncHookBus"]
+
+E = TypeVar("E", bound=Event)
+F = TypeVar("F", bound=Callable[..., Any])
+
+_get_running_loop = _asyncio_events._get_running_loop
+_set_running_loop = _asyncio_events._set_running_loop
+
+
+class _NoLocal:
+    """Stands in for ``sniffio.thread_local`` where sniffio is not installed."""
+
+    name: str | None = None
+
+
+_library: Any = sniffio.thread_local if sniffio is not None else _NoLocal()
+
+
+class _Call:
+    """Run ``fn(*args, **kwargs)`` in the loop's greenlet (a call that may touch the loop)."""
+
+    __slots__ = ("args", "fn", "kwargs")
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]):
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+
+
+class _Exit:
+    """Leave the bus: ``exc`` is the body's exception (or ``None``)."""
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException | None) -> None:
+        self.exc = exc
+
+
+class _Result:
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+class _Raise:
+    """A call or publish failed with an ordinary exception: raised in the caller; the bus
+    stays open."""
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+class _Closed:
+    """The loop has ended (the greenlet returned): the bus closed, raising ``error`` (or not),
+    after the body ended with ``body`` (or normally); ``swallowed``: HookBus swallowed
+    ``body`` (its own cancellation, by a second stop signal)."""
+
+    __slots__ = ("body", "error", "swallowed")
+
+    def __init__(
+        self, error: BaseException | None, swallowed: bool, body: BaseException | None
+    ) -> None:
+        self.error, self.swallowed, self.body = error, swallowed, body
+
+
+def _keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
+    """Python's default SIGINT behaviour, under another name (see :meth:`SyncHookBus._run`)."""
+    raise KeyboardInterrupt
+
+
+class SyncHookBus:
+    """A :class:`~recis_async.HookBus` for synchronous code: ``with SyncHookBus() as bus:``.
+
+    ``bus.publish(event)`` returns when the event's subscribers have run; ``add_metric``,
+    ``add_to_trace`` and ``add_to_ml_tracker`` work in the block; hooks and subscribers (sync
+    or ``async def``) are added as on a ``HookBus`` and see that ``HookBus``
+    (:attr:`hook_bus`) in ``attach``.  Leaving the block publishes ``End`` once and drains every
+    service within ``flush_timeout``; errors surface at ``publish`` and on leaving, as with
+    ``HookBus``.  Use the bus from the thread that entered it.
+
+    Args:
+        flush_timeout: seconds close may take to drain every background service.
+        handle_signals: turn SIGTERM/SIGINT into a graceful stop (entered in the main thread):
+            ``bus.should_stop`` becomes true, and leaving the block raises
+            ``SystemExit(128 + signal)`` (``KeyboardInterrupt`` in a notebook).
+        backend: the event loop the bus runs on, ``"asyncio"`` or ``"trio"``.
+        backend_options: passed to :func:`anyio.run` (e.g. ``{"debug": True}`` for asyncio).
+
+    Raises:
+        TypeError, ValueError: as ``HookBus`` for the first two; an unknown ``backend``; a
+            ``backend_options`` that is not a mapping.
+    """
+
+    def __init__(
+        self,
+        flush_timeout: float = 60.0,
+        *,
+        handle_signals: bool = True,
+        backend: str = "asyncio",
+        backend_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._bus = HookBus(flush_timeout, handle_signals=handle_signals)
+        self._backend = one_of("SyncHookBus", "backend", backend, ("asyncio", "trio"))
+        if backend_options is not None and not isinstance(backend_options, Mapping):
+            raise TypeError(
+                f"SyncHookBus(backend_options=...): expected a mapping or None, "
+                f"got {backend_options!r}"
+            )
+        self._options = dict(backend_options or {})
+        self._state = "new"  # new -> open -> closed
+        self._outside: asyncio.AbstractEventLoop | None = None  # the thread's own asyncio loop
+        self._outside_library: str | None = None  # and sniffio's thread-local name there
+        self._greenlet: greenlet.greenlet | None = None  # where the loop runs
+        self._caller: greenlet.greenlet | None = None  # what it switches back to
+        self._switch: Callable[[Any], Any] = self._not_open
+        self._token: Token[StepCollector | None] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> SyncHookBus:
+        if self._state != "new":
+            raise RuntimeError(f"SyncHookBus cannot be entered twice (state: {self._state})")
+        self._token = collect.bind(self._bus._collector)  # add_metric & co. in the block
+        self._caller = greenlet.getcurrent()
+        self._outside = _get_running_loop()  # a notebook's; set again whenever the caller runs
+        self._outside_library = _library.name
+        loop_greenlet = greenlet.greenlet(self._run, parent=self._caller)
+        loop_greenlet.gr_context = contextvars.copy_context()  # the caller's contextvars
+        self._greenlet = loop_greenlet
+        self._switch = loop_greenlet.switch
+        self._state = "open"
+        reply = self._to_loop(None)  # runs until the HookBus is entered (or failed to)
+        if reply is not None:
+            self._settle(reply)
+        return self
+
+    def open(self) -> SyncHookBus:
+        """Enter the bus where a ``with`` block does not fit (framework callbacks); pair it
+        with :meth:`close`.  Returns the bus."""
+        return self.__enter__()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        if self._state != "open":
+            return False  # closed already (close(), or a stop signal's second arrival)
+        return self._leave(exc)
+
+    def close(self) -> None:
+        """Publish ``End`` (if not yet), drain every service within ``flush_timeout`` and end
+        the loop; idempotent.  Raises what leaving the ``with`` block would: the first close
+        error as :class:`~recis_async.HookError`, ``SystemExit(128 + signal)`` after a stop
+        signal."""
+        if self._state == "new":
+            raise RuntimeError("SyncHookBus.close(): the bus was never entered")
+        if self._state == "open":
+            self._leave(None)
+
+    def _leave(self, exc: BaseException | None) -> bool:
+        if greenlet.getcurrent() is self._greenlet:
+            raise RuntimeError(
+                "SyncHookBus: closing from inside a subscriber; request a stop instead "
+                "(bus.request_stop), and leave the block in your loop"
+            )
+        closed = self._to_loop(_Exit(exc))
+        assert isinstance(closed, _Closed), closed
+        self._closed()
+        if closed.error is not None and closed.error is not exc:
+            raise closed.error
+        return closed.swallowed
+
+    def _run(self, _: object) -> _Closed:
+        """The loop's greenlet: ``anyio.run`` until the bus closes."""
+        # What says "an event loop runs in this thread" is the caller's while it runs (see
+        # _serve); here it starts clean: asyncio refuses to start inside a running loop (a
+        # notebook's), anyio inside a library it detects (the caller's context is copied).
+        _set_running_loop(None)
+        _library.name = None
+        if sniffio is not None:
+            sniffio.current_async_library_cvar.set(None)
+        options = dict(self._options)
+        if self._backend == "asyncio":
+            # A loop of our own, not set as the thread's current one (asyncio.Runner would
+            # otherwise replace, then clear, a notebook's).
+            options.setdefault("loop_factory", asyncio.new_event_loop)
+        # asyncio.Runner and trio.run take over SIGINT when Python's default handler is
+        # installed (Ctrl-C would then cancel the loop's task, and reach this code as a
+        # CancelledError at the next publish); the same behaviour under another name keeps
+        # plain KeyboardInterrupt semantics (handle_signals=False) and the bus's own handling.
+        replaced = (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        )
+        if replaced:
+            signal.signal(signal.SIGINT, _keyboard_interrupt)
+        try:
+            return anyio.run(self._serve, replaced, backend=self._backend, backend_options=options)
+        except BaseException as exc:  # the loop did not start, or failed to enter the bus
+            return _Closed(exc, False, None)
+        finally:
+            if replaced and signal.getsignal(signal.SIGINT) is _keyboard_interrupt:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+            _set_running_loop(self._outside)  # the greenlet returns to the caller
+            _library.name = self._outside_library
+
+    async def _serve(self, restore_sigint: bool) -> _Closed:
+        """The body task: enter the HookBus, serve the caller's requests, leave it.
+
+        Each switch to the caller sets the thread's running asyncio loop (and sniffio's
+        thread-local library name, which trio sets) back to what they were outside (``None``,
+        or a notebook's loop), and each switch back sets the bus's again: done here, so a
+        publish from the caller costs two switches and these four assignments."""
+        if restore_sigint and signal.getsignal(signal.SIGINT) is _keyboard_interrupt:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        loop = asyncio.get_running_loop() if self._backend == "asyncio" else None
+        outside, outside_library, library = self._outside, self._outside_library, _library.name
+        bus = self._bus
+        await bus.__aenter__()
+        assert self._caller is not None
+        to_caller = self._caller.switch
+        publish = bus._publish  # always awaited here: publish()'s never-awaited check is moot
+        set_loop = _set_running_loop
+        exc: BaseException | None = None
+        try:
+            set_loop(outside)
+            _library.name = outside_library
+            request = to_caller(None)
+            set_loop(loop)
+            _library.name = library
+            while True:
+                kind = type(request)
+                if kind is _Call:
+                    try:
+                        result = request.fn(*request.args, **request.kwargs)
+                        if inspect.isawaitable(result):
+                            result = await result
+                    except Exception as error:
+                        reply: Any = _Raise(error)
+                    else:
+                        reply = _Result(result)
+                elif kind is _Exit:
+                    exc = request.exc
+                    break
+                else:  # an event (publish checks it is one)
+                    try:
+                        await publish(request)
+                    except Exception as error:
+                        reply = _Raise(error)
+                    else:
+                        reply = None
+                set_loop(outside)
+                _library.name = outside_library
+                request = to_caller(reply)
+                set_loop(loop)
+                _library.name = library
+        except BaseException as body:
+            # The body ends here: the second stop signal's cancellation, a KeyboardInterrupt
+            # or SystemExit raised by a subscriber, or the bus dropped while open.
+            set_loop(loop)
+            _library.name = library
+            exc = body
+        try:
+            swallowed = await bus.__aexit__(
+                None if exc is None else type(exc),
+                exc,
+                None if exc is None else exc.__traceback__,
+            )
+        except BaseException as error:
+            return _Closed(error, False, exc)
+        return _Closed(None, bool(swallowed), exc)
+
+    def _to_loop(self, request: Any) -> Any:
+        """Switch into the loop's greenlet with ``request``; its reply."""
+        try:
+            return self._switch(request)
+        except greenlet.error as exc:
+            raise self._wrong_thread() from exc
+
+    def _settle(self, reply: Any) -> Any:
+        """Act on a reply other than ``None``: a result, an error to raise, the end."""
+        if type(reply) is _Result:
+            return reply.value
+        if type(reply) is _Raise:
+            raise reply.exc
+        assert isinstance(reply, _Closed), reply
+        # The loop ended under a request: the bus failed to open, or its body ended in the
+        # loop (a second stop signal, a subscriber's KeyboardInterrupt or SystemExit) and the
+        # bus has closed.
+        self._closed()
+        if reply.error is not None:
+            raise reply.error
+        if reply.body is not None and not reply.swallowed:
+            raise reply.body
+        raise RuntimeError("SyncHookBus: the bus has closed")
+
+    def _closed(self) -> None:
+        self._state = "closed"
+        self._switch = self._not_open
+        if self._token is not None:
+            try:
+                collect.unbind(self._token)
+            except ValueError:  # entered in another context (a notebook's earlier cell)
+                pass
+            self._token = None
+
+    def _not_open(self, request: Any) -> Any:
+        where = "publish()" if isinstance(request, Event) else "the call"
+        raise RuntimeError(
+            f"SyncHookBus: {where} needs the bus open, and it is {self._state}; "
+            "use it inside `with SyncHookBus() as bus:`"
+        )
+
+    def _wrong_thread(self) -> RuntimeError:
+        return RuntimeError(
+            f"SyncHookBus: used from thread {threading.current_thread().name!r}; a bus is used "
+            "from the thread that entered it (its event loop runs there)"
+        )
+
+    # ------------------------------------------------------------------ publishing
+    def publish(self, event: Event) -> None:
+        """Run every subscriber of ``event`` in order; return when they all ran.
+
+        As ``await HookBus.publish``: a failing ``on_error="raise"`` subscriber raises
+        :class:`~recis_async.HookError` here, as does a background service that failed since
+        the last publish.  Coroutine subscribers may wait (the loop runs until they are done).
+        """
+        try:
+            reply = self._switch(event)
+        except greenlet.error as exc:
+            raise self._wrong_thread() from exc
+        if reply is not None:
+            if reply is event:  # switching to the running greenlet hands the value back
+                self._publish_nested(event)
+            else:
+                self._settle(reply)
+
+    def _publish_nested(self, event: Event) -> None:
+        """A subscriber publishing: it runs inside the loop, in a synchronous call, so the
+        publish runs to its end there or, if a coroutine subscriber must wait, is refused."""
+        coro = self._bus.publish(event)
+        try:
+            coro.send(None)
+        except StopIteration:
+            return
+        coro.close()
+        raise RuntimeError(
+            f"SyncHookBus.publish({type(event).__name__}) from inside a subscriber: a "
+            "coroutine subscriber of it had to wait, which a synchronous call cannot; publish "
+            "it from an `async def` subscriber with `await bus.hook_bus.publish(event)`, or "
+            "from your loop"
+        )
+
+    # ------------------------------------------------------------------ hooks and services
+    def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` in the loop's greenlet when the bus is open (it may start a
+        service there), directly otherwise (before entering, inside a subscriber)."""
+        if self._state != "open" or greenlet.getcurrent() is self._greenlet:
+            return fn(*args, **kwargs)
+        return self._settle(self._to_loop(_Call(fn, args, kwargs)))
+
+    @property
+    def hook_bus(self) -> HookBus:
+        """The :class:`~recis_async.HookBus` inside: what hooks get in ``attach``."""
+        return self._bus
+
+    @property
+    def hooks(self) -> tuple[Hook, ...]:
+        """The hooks added to this bus, in order."""
+        return self._bus.hooks
+
+    @property
+    def flush_timeout(self) -> float:
+        return self._bus.flush_timeout
+
+    def add_hook(self, hook: Hook) -> None:
+        """As :meth:`HookBus.add_hook <recis_async.HookBus.add_hook>`."""
+        self._call(self._bus.add_hook, hook)
+
+    def start_service(self, service: Service) -> None:
+        """As :meth:`HookBus.start_service <recis_async.HookBus.start_service>`."""
+        self._call(self._bus.start_service, service)
+
+    def subscribe(
+        self,
+        event_type: type[E],
+        fn: Callable[[E], Any],
+        *,
+        priority: int | str | Priority = Priority.NORMAL,
+        every: int | None = None,
+        every_step: int | None = None,
+        once: int | None = None,
+        every_seconds: float | None = None,
+        when: Callable[[E], bool] | None = None,
+        first: bool = False,
+        on_error: OnError = "raise",
+    ) -> Subscription:
+        """As :meth:`HookBus.subscribe <recis_async.HookBus.subscribe>`: ``fn`` may be sync
+        or ``async def``."""
+        return self._bus.subscribe(
+            event_type,
+            fn,
+            priority=priority,
+            every=every,
+            every_step=every_step,
+            once=once,
+            every_seconds=every_seconds,
+            when=when,
+            first=first,
+            on_error=on_error,
+        )
+
+    def on(
+        self,
+        event_type: type[E],
+        *,
+        priority: int | str | Priority = Priority.NORMAL,
+        every: int | None = None,
+        every_step: int | None = None,
+        once: int | None = None,
+        every_seconds: float | None = None,
+        when: Callable[[E], bool] | None = None,
+        first: bool = False,
+        on_error: OnError = "raise",
+    ) -> Callable[[F], F]:
+        """Decorator form of :meth:`subscribe`; returns the function unchanged."""
+        return self._bus.on(
+            event_type,
+            priority=priority,
+            every=every,
+            every_step=every_step,
+            once=once,
+            every_seconds=every_seconds,
+            when=when,
+            first=first,
+            on_error=on_error,
+        )
+
+    def unsubscribe(self, subscription: Subscription) -> None:
+        """Stop calling ``subscription``; idempotent."""
+        self._bus.unsubscribe(subscription)
+
+    # ------------------------------------------------------------------ control
+    def request_stop(self, reason: str = "") -> None:
+        """Ask the loop to stop at the next step boundary; the first reason is kept."""
+        if not isinstance(reason, str):
+            raise TypeError(f"request_stop(reason=...): expected a str, got {reason!r}")
+        self._call(self._bus.request_stop, reason)
+
+    @property
+    def should_stop(self) -> bool:
+        return self._bus.should_stop
+
+    @property
+    def stop_reason(self) -> str | None:
+        return self._bus.stop_reason
+
+    # ------------------------------------------------------------------ observability
+    def stats(self) -> dict[str, Any]:
+        """As :meth:`HookBus.stats <recis_async.HookBus.stats>`."""
+        return self._bus.stats()
+
+    def describe(self) -> str:
+        """As :meth:`HookBus.describe <recis_async.HookBus.describe>`."""
+        return self._bus.describe()
+
+    def __repr__(self) -> str:
+        return f"<SyncHookBus {self._state} backend={self._backend} bus={self._bus!r}>"
