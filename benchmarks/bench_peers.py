@@ -30,7 +30,9 @@ Every run is a fresh process; each repetition runs every config once, in an orde
 from one repetition to the next.  A step's time is the time between two consecutive forward
 calls of the model (the same clock on every path, whatever the framework does around it); the
 first 50 steps are warm-up.  Printed per config, medians over repetitions (ranges in
-brackets): steps/s over the ``plain`` run's of the same repetition; step p50 / p99 in ms;
+brackets): steps/s over the ``plain`` run's of the same repetition; the process's CPU time
+per step (all threads) over ``plain``'s -- the cost that contention on a shared machine
+disturbs least; step p50 / p99 in ms;
 process wall time and import time in s (start to the end of the imports the path needs);
 peak RSS in MB.
 
@@ -78,10 +80,13 @@ CONFIGS = (
 
 # --------------------------------------------------------------------------- the child
 class Clock:
-    """Times of the model's training forward calls."""
+    """Times of the model's training forward calls: wall clock, and the CPU time of the whole
+    process (every thread: the hooks' workers count) -- which a busy machine disturbs far less
+    than wall time."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
+        self.cpu: list[float] = []
 
 
 def build(hidden: int, steps: int) -> tuple[Any, Any, list[dict[str, Any]]]:
@@ -118,6 +123,7 @@ def make_net(torch: Any, mlp: Any, clock: Clock, record: Any = None, trace: bool
         def forward(self, x: Any, y: Any, ids: Any) -> dict[str, Any]:
             if self.training:
                 clock.times.append(time.perf_counter())
+                clock.cpu.append(time.process_time())
             loss = torch.nn.functional.mse_loss(self.mlp(x), y)
             if self.training:
                 if record is not None:
@@ -155,6 +161,7 @@ def child(config: str, out: Path, steps: int, hidden: int) -> dict[str, Any]:
     return {
         "config": config,
         "steps_per_s": (len(times) - WARMUP - 1) / (times[-1] - times[WARMUP]),
+        "cpu_ms": 1e3 * (clock.cpu[-1] - clock.cpu[WARMUP]) / (len(times) - WARMUP - 1),
         "p50_ms": 1e3 * gaps[len(gaps) // 2],
         "p99_ms": 1e3 * gaps[min(len(gaps) - 1, int(len(gaps) * 0.99))],
         "import_s": imported,
@@ -462,13 +469,16 @@ def report(results: dict[str, list[dict[str, Any]]], reps: int) -> str:
 
     base = results["plain"]
     lines = [
-        "| path | steps/s ÷ plain (range) | step p50 / p99 ms | process wall s | import s | peak RSS MB |",
-        "|---|---|---|---|---|---|",
+        "| path | steps/s ÷ plain (range) | CPU ms/step ÷ plain (range) | step p50 / p99 ms "
+        "| process wall s | import s | peak RSS MB |",
+        "|---|---|---|---|---|---|---|",
     ]
     for config, runs in results.items():
         ratios = [r["steps_per_s"] / b["steps_per_s"] for r, b in zip(runs, base, strict=False)]
+        cpu = [r["cpu_ms"] / b["cpu_ms"] for r, b in zip(runs, base, strict=False) if "cpu_ms" in r]
+        cpu_cell = f"{med(cpu):.3f} ({min(cpu):.2f}–{max(cpu):.2f})" if cpu else "–"
         lines.append(
-            f"| {config} | {med(ratios):.3f} ({min(ratios):.2f}–{max(ratios):.2f}) "
+            f"| {config} | {med(ratios):.3f} ({min(ratios):.2f}–{max(ratios):.2f}) | {cpu_cell} "
             f"| {med([r['p50_ms'] for r in runs]):.2f} / {med([r['p99_ms'] for r in runs]):.2f} "
             f"| {med([r['wall_s'] for r in runs]):.1f} | {med([r['import_s'] for r in runs]):.1f} "
             f"| {med([r['rss_mb'] for r in runs]):.0f} |"
