@@ -1,0 +1,531 @@
+"""The same small training job on every path a user may take, side by side.
+
+The job: an MLP (64 -> ``--hidden`` -> ``--hidden`` -> 1, batch 256, SGD, one thread: a
+~4 ms step on the project's VM) over ``--steps`` pre-built batches in one epoch, with the loss
+logged every 50 steps, a progress bar (tqdm, to the run's stderr file), the loss recorded every
+step to a local file, and one checkpoint at the end.  Each path does that its own way:
+
+* ``plain``          a ``for`` loop: ``logging`` every 50 steps, ``tqdm``, ``loss.item()``
+                     written to a file every step, ``torch.save`` at the end
+* ``plain-again``    the same, as a config of its own: its ratio to ``plain`` is the
+                     measurement's own noise (process to process), the resolution the other
+                     ratios are read at (the A/A row)
+* ``trainer``        this library's ``Trainer``: its logger (``log_steps=50``), a
+                     ``ProgressBarHook``, ``MLTrackerHook`` (JSONL) fed ``add_to_ml_tracker``,
+                     its checkpoint at the end
+* ``async-loop``     an own loop on ``HookBus``: ``LoggerHook``, ``ProgressBarHook``,
+                     ``MLTrackerHook`` (JSONL), ``CheckpointSaverHook`` at the end
+* ``sync-loop``      the same loop on ``SyncHookBus``
+* ``lightning``      ``self.log("loss")`` into a ``CSVLogger`` every step, Lightning's progress
+                     bar, a callback printing every 50 steps, ``ModelCheckpoint`` at the end
+* ``hf``             ``transformers.Trainer``: ``logging_steps=50``, its progress bar, the
+                     model writing each step's loss to a file, a checkpoint at the last step
+* ``ignite``         ``Engine``: ``ProgressBar``, handlers logging every 50 steps and writing
+                     the loss every step, ``Checkpoint`` at the end
+* ``<framework>+adapter``  the same job with the framework's adapter carrying
+                     ``TraceHook(ParquetSink)`` (the batch's 256 ids every step) and
+                     ``MLTrackerHook`` (the loss every step)
+
+Every run is a fresh process; each repetition runs every config once, in an order rotated
+from one repetition to the next.  A step's time is the time between two consecutive forward
+calls of the model (the same clock on every path, whatever the framework does around it); the
+first 50 steps are warm-up.  Printed per config, medians over repetitions (ranges in
+brackets): steps/s over the ``plain`` run's of the same repetition; the process's CPU time
+per step (all threads) over ``plain``'s -- the cost that contention on a shared machine
+disturbs least; step p50 / p99 in ms;
+process wall time and import time in s (start to the end of the imports the path needs);
+peak RSS in MB.
+
+    python benchmarks/bench_peers.py [--reps 6] [--steps 1500] [--only plain,trainer,...]
+    python benchmarks/bench_peers.py --quick          # every config once, a few steps
+"""
+
+from __future__ import annotations
+
+import time
+
+_T0 = time.perf_counter()  # before the heavy imports: the child's import time counts from here
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import resource  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+BATCH = 256
+FEATURES = 64
+LOG_EVERY = 50
+WARMUP = 50
+
+CONFIGS = (
+    "plain",
+    "plain-again",
+    "trainer",
+    "async-loop",
+    "sync-loop",
+    "lightning",
+    "lightning+adapter",
+    "hf",
+    "hf+adapter",
+    "ignite",
+    "ignite+adapter",
+)
+
+
+# --------------------------------------------------------------------------- the child
+class Clock:
+    """Times of the model's training forward calls: wall clock, and the CPU time of the whole
+    process (every thread: the hooks' workers count) -- which a busy machine disturbs far less
+    than wall time."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.cpu: list[float] = []
+
+
+def build(hidden: int, steps: int) -> tuple[Any, Any, list[dict[str, Any]]]:
+    import torch
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    mlp = torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, 1),
+    )
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for i in range(steps):
+        x = torch.randn(BATCH, FEATURES, generator=g)
+        batches.append({"x": x, "y": x[:, :1].clone(), "ids": torch.arange(i * BATCH, (i + 1) * BATCH)})
+    return torch, mlp, batches
+
+
+def make_net(torch: Any, mlp: Any, clock: Clock, record: Any = None, trace: bool = False) -> Any:
+    """The model as every path runs it: ``forward(x, y, ids) -> {"loss": ...}``, stamping the
+    clock; ``record(loss)`` per training step; ``trace``: the ids to the trace, the loss to
+    the tracker (adapter configs)."""
+    from recis_async import add_to_ml_tracker, add_to_trace
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = mlp
+
+        def forward(self, x: Any, y: Any, ids: Any) -> dict[str, Any]:
+            if self.training:
+                clock.times.append(time.perf_counter())
+                clock.cpu.append(time.process_time())
+            loss = torch.nn.functional.mse_loss(self.mlp(x), y)
+            if self.training:
+                if record is not None:
+                    record(loss)
+                if trace:
+                    add_to_trace("id", ids)
+                    add_to_ml_tracker("loss", loss.detach())
+            return {"loss": loss}
+
+    return Net()
+
+
+def child(config: str, out: Path, steps: int, hidden: int) -> dict[str, Any]:
+    import logging
+
+    torch, mlp, batches = build(hidden, steps)
+    import recis_async  # noqa: F401
+
+    framework = config.split("+")[0]
+    if framework == "lightning":
+        import lightning.pytorch  # noqa: F401
+    elif framework == "hf":
+        import transformers  # noqa: F401
+    elif framework == "ignite":
+        import ignite.engine  # noqa: F401
+    imported = time.perf_counter() - _T0
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    log = logging.getLogger("bench")
+    clock = Clock()
+    adapter = config.endswith("+adapter")
+    runner = globals()[f"run_{framework.replace('-', '_')}"]
+    runner(torch, mlp, batches, clock, out, log, adapter)
+    times = clock.times
+    gaps = sorted(b - a for a, b in zip(times[WARMUP:], times[WARMUP + 1 :], strict=False))
+    return {
+        "config": config,
+        "steps_per_s": (len(times) - WARMUP - 1) / (times[-1] - times[WARMUP]),
+        "cpu_ms": 1e3 * (clock.cpu[-1] - clock.cpu[WARMUP]) / (len(times) - WARMUP - 1),
+        "p50_ms": 1e3 * gaps[len(gaps) // 2],
+        "p99_ms": 1e3 * gaps[min(len(gaps) - 1, int(len(gaps) * 0.99))],
+        "import_s": imported,
+        "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "steps": len(times),
+    }
+
+
+def _trace_hooks(out: Path) -> list[Any]:
+    from recis_async.hooks import MLTrackerHook, TraceHook
+    from recis_async.sinks import ParquetSink
+    from recis_async.trackers import JsonlTracker
+
+    return [
+        TraceHook(ParquetSink(out, "trace", rank=0), ["id"], ["bigint"], spill_dir=out / "spill"),
+        MLTrackerHook("bench", "peers", tracker=JsonlTracker(out / "ml"), spill_dir=out / "ml_spill"),
+    ]
+
+
+def _plain_loop(torch: Any, mlp: Any, batches: Any, clock: Clock, out: Path, log: Any) -> None:
+    from tqdm import tqdm
+
+    net = make_net(torch, mlp, clock)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+    net.train()
+    with open(out / "loss.txt", "w") as f:
+        for step, batch in enumerate(tqdm(batches, mininterval=0.1)):
+            loss = net(**batch)["loss"]
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            f.write(f"{step}\t{loss.item()}\n")
+            if step % LOG_EVERY == 0:
+                log.info("step %d loss %.4f", step, loss.item())
+    torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict()}, out / "final.pt")
+
+
+def run_plain(*a: Any) -> None:
+    _plain_loop(*a[:6])
+
+
+run_plain_again = run_plain
+
+
+def run_trainer(torch: Any, mlp: Any, batches: Any, clock: Clock, out: Path, log: Any, _: bool) -> None:
+    import anyio
+
+    from recis_async import MLTrackerHook, ProgressBarHook, Trainer, TrainingArguments
+    from recis_async.trackers import JsonlTracker
+
+    record = _tracked_loss
+    net = make_net(torch, mlp, clock, record=record)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+
+    class Model(torch.nn.Module):  # the Trainer calls model(batch)
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def forward(self, batch: Any) -> Any:
+            return self.net(**batch)
+
+    args = TrainingArguments(
+        output_dir=str(out / "ckpt"), log_steps=LOG_EVERY, save_steps=10 * len(batches)
+    )
+    hooks = [
+        ProgressBarHook(),
+        MLTrackerHook("bench", "peers", tracker=JsonlTracker(out / "ml"), spill_dir=out / "ml_spill"),
+    ]
+    trainer = Trainer(Model(), args, train_dataset=batches, hooks=hooks, dense_optimizers=(optimizer, None))
+    anyio.run(trainer.train)
+
+
+def _tracked_loss(loss: Any) -> None:
+    from recis_async import add_to_ml_tracker
+
+    add_to_ml_tracker("loss", loss.detach())
+
+
+def _loop_hooks(torch: Any, net: Any, optimizer: Any, out: Path, steps: int) -> list[Any]:
+    from recis_async import CheckpointSaverHook, LoggerHook, MLTrackerHook, ProgressBarHook
+    from recis_async.trackers import JsonlTracker
+
+    return [
+        LoggerHook(log_step=LOG_EVERY),
+        ProgressBarHook(total=steps),
+        MLTrackerHook("bench", "peers", tracker=JsonlTracker(out / "ml"), spill_dir=out / "ml_spill"),
+        CheckpointSaverHook(
+            str(out / "ckpt"), save_steps=10 * steps, model=net, optimizer=optimizer
+        ),
+    ]
+
+
+def run_async_loop(torch: Any, mlp: Any, batches: Any, clock: Clock, out: Path, log: Any, _: bool) -> None:
+    import anyio
+
+    from recis_async import HookBus, add_metric
+    from recis_async.events import AfterStep, BeforeStep, Start
+
+    net = make_net(torch, mlp, clock, record=_tracked_loss)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+
+    async def main() -> None:
+        async with HookBus() as bus:
+            for hook in _loop_hooks(torch, net, optimizer, out, len(batches)):
+                bus.add_hook(hook)
+            await bus.publish(Start())
+            for step, batch in enumerate(batches):
+                await bus.publish(BeforeStep(global_step=step, local_step=step))
+                loss = net(**batch)["loss"]
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                add_metric("loss", loss)
+                await bus.publish(AfterStep(global_step=step, local_step=step, samples=BATCH))
+                if bus.should_stop:
+                    break
+
+    anyio.run(main)
+
+
+def run_sync_loop(torch: Any, mlp: Any, batches: Any, clock: Clock, out: Path, log: Any, _: bool) -> None:
+    from recis_async import add_metric
+    from recis_async.events import AfterStep, BeforeStep, Start
+    from recis_async.syncbus import SyncHookBus
+
+    net = make_net(torch, mlp, clock, record=_tracked_loss)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+    with SyncHookBus() as bus:
+        for hook in _loop_hooks(torch, net, optimizer, out, len(batches)):
+            bus.add_hook(hook)
+        bus.publish(Start())
+        for step, batch in enumerate(batches):
+            bus.publish(BeforeStep(global_step=step, local_step=step))
+            loss = net(**batch)["loss"]
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            add_metric("loss", loss)
+            bus.publish(AfterStep(global_step=step, local_step=step, samples=BATCH))
+            if bus.should_stop:
+                break
+
+
+def run_lightning(torch: Any, mlp: Any, batches: Any, clock: Clock, out: Path, log: Any, adapter: bool) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    net = make_net(torch, mlp, clock, trace=adapter)
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            loss = self.net(**batch)["loss"]
+            self.log("loss", loss, on_step=True, prog_bar=True)
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    class Every50(pl.Callback):
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, i: int) -> None:
+            if i % LOG_EVERY == 0:
+                log.info("step %d loss %.4f", i, outputs["loss"].item())
+
+    callbacks: list[Any] = [Every50(), ModelCheckpoint(dirpath=out / "ckpt")]
+    if adapter:
+        from recis_async.adapters.lightning import RecisCallback
+
+        callbacks.insert(0, RecisCallback(_trace_hooks(out)))
+    trainer = pl.Trainer(
+        max_epochs=1,
+        callbacks=callbacks,
+        logger=CSVLogger(out / "csv"),
+        log_every_n_steps=1,
+        default_root_dir=str(out),
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+    )
+    trainer.fit(Module(), torch.utils.data.DataLoader(batches, batch_size=None))
+
+
+def run_hf(torch: Any, mlp: Any, batches: Any, clock: Clock, out: Path, log: Any, adapter: bool) -> None:
+    import transformers
+
+    f = open(out / "loss.txt", "w")  # noqa: SIM115  (closed below)
+    counter = iter(range(1 << 62))
+
+    def record(loss: Any) -> None:
+        f.write(f"{next(counter)}\t{loss.item()}\n")
+
+    net = make_net(torch, mlp, clock, record=record, trace=adapter)
+
+    class Rows(torch.utils.data.Dataset):  # type: ignore[misc]
+        def __len__(self) -> int:
+            return len(batches) * BATCH
+
+        def __getitem__(self, i: int) -> Any:
+            b = batches[i // BATCH]
+            return {"x": b["x"][i % BATCH], "y": b["y"][i % BATCH], "ids": b["ids"][i % BATCH]}
+
+    args = transformers.TrainingArguments(
+        output_dir=str(out / "hf"),
+        per_device_train_batch_size=BATCH,
+        num_train_epochs=1,
+        learning_rate=0.01,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        logging_steps=LOG_EVERY,
+        save_strategy="steps",
+        save_steps=len(batches),
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=False,
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
+        train_sampling_strategy="sequential",
+    )
+    callbacks: list[Any] = []
+    if adapter:
+        from recis_async.adapters.transformers import RecisTrainerCallback
+
+        callbacks.append(RecisTrainerCallback(_trace_hooks(out)))
+    trainer = transformers.Trainer(model=net, args=args, train_dataset=Rows(), callbacks=callbacks)
+    trainer.train()
+    f.close()
+
+
+def run_ignite(torch: Any, mlp: Any, batches: Any, clock: Clock, out: Path, log: Any, adapter: bool) -> None:
+    from ignite.engine import Engine, Events
+    from ignite.handlers import Checkpoint, DiskSaver, ProgressBar
+
+    net = make_net(torch, mlp, clock, trace=adapter)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+
+    def update(engine: Engine, batch: Any) -> Any:
+        loss = net(**batch)["loss"]
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    engine = Engine(update)
+    if adapter:
+        from recis_async.adapters.ignite import attach
+
+        attach(engine, _trace_hooks(out))
+    f = open(out / "loss.txt", "w")  # noqa: SIM115  (closed below)
+    engine.add_event_handler(
+        Events.ITERATION_COMPLETED, lambda e: f.write(f"{e.state.iteration}\t{e.state.output.item()}\n")
+    )
+    engine.add_event_handler(
+        Events.ITERATION_COMPLETED(every=LOG_EVERY),
+        lambda e: log.info("step %d loss %.4f", e.state.iteration, e.state.output.item()),
+    )
+    ProgressBar(persist=True).attach(engine)
+    saver = Checkpoint({"model": net, "optimizer": optimizer}, DiskSaver(str(out / "ckpt")))
+    engine.add_event_handler(Events.COMPLETED, saver)
+    engine.run(batches, max_epochs=1)
+    f.close()
+
+
+# --------------------------------------------------------------------------- the driver
+def run_one(config: str, args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="bench_peers_") as tmp:
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+        argv = [sys.executable, __file__, "--child", config, "--out", tmp]
+        argv += ["--steps", str(args.steps), "--hidden", str(args.hidden)]
+        started = time.perf_counter()
+        with open(Path(tmp) / "stderr.txt", "w") as err:
+            proc = subprocess.run(argv, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        wall = time.perf_counter() - started
+        if proc.returncode != 0:
+            tail = (Path(tmp) / "stderr.txt").read_text()[-3000:]
+            raise RuntimeError(f"{config} exited with {proc.returncode}:\n{tail}")
+        result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+        result["wall_s"] = wall
+        return result
+
+
+def available(config: str) -> bool:
+    import importlib.util
+
+    module = {"lightning": "lightning", "hf": "transformers", "ignite": "ignite"}.get(config.split("+")[0])
+    return module is None or importlib.util.find_spec(module) is not None
+
+
+def report(results: dict[str, list[dict[str, Any]]], reps: int) -> str:
+    def med(values: list[float]) -> float:
+        return statistics.median(values)
+
+    base = results["plain"]
+    lines = [
+        "| path | steps/s ÷ plain (range) | CPU ms/step ÷ plain (range) | step p50 / p99 ms "
+        "| process wall s | import s | peak RSS MB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for config, runs in results.items():
+        ratios = [r["steps_per_s"] / b["steps_per_s"] for r, b in zip(runs, base, strict=False)]
+        cpu = [r["cpu_ms"] / b["cpu_ms"] for r, b in zip(runs, base, strict=False) if "cpu_ms" in r]
+        cpu_cell = f"{med(cpu):.3f} ({min(cpu):.2f}–{max(cpu):.2f})" if cpu else "–"
+        lines.append(
+            f"| {config} | {med(ratios):.3f} ({min(ratios):.2f}–{max(ratios):.2f}) | {cpu_cell} "
+            f"| {med([r['p50_ms'] for r in runs]):.2f} / {med([r['p99_ms'] for r in runs]):.2f} "
+            f"| {med([r['wall_s'] for r in runs]):.1f} | {med([r['import_s'] for r in runs]):.1f} "
+            f"| {med([r['rss_mb'] for r in runs]):.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=6, help="repetitions of every config")
+    parser.add_argument("--steps", type=int, default=1500, help="training steps a run")
+    parser.add_argument("--hidden", type=int, default=256, help="the MLP's hidden width")
+    parser.add_argument("--only", help="comma-separated configs (plain is always run)")
+    parser.add_argument("--quick", action="store_true", help="every config once, 120 steps (a smoke test)")
+    parser.add_argument("--json", help="also write every run's figures to this file")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, Path(args.out), args.steps, args.hidden)))
+        return
+    if args.quick:
+        args.reps, args.steps = 1, 120
+    configs = list(CONFIGS) if not args.only else ["plain", *[c for c in args.only.split(",") if c != "plain"]]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
+    skipped = [c for c in configs if not available(c)]
+    configs = [c for c in configs if c not in skipped]
+    if skipped:
+        print(f"skipped (framework not installed): {', '.join(skipped)}", file=sys.stderr)
+    results: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+    for rep in range(args.reps):
+        order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
+        for config in order:
+            r = run_one(config, args)
+            results[config].append(r)
+            print(
+                f"rep {rep + 1}/{args.reps} {config:18s} {r['steps_per_s']:7.1f} steps/s "
+                f"p50 {r['p50_ms']:.2f} ms wall {r['wall_s']:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    print(report(results, args.reps))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,404 @@
+"""What the three adapters share: a :class:`~recis_async.syncbus.SyncHookBus` (owned or
+given) and the reference order of events, published from a framework's callback points.
+
+A framework's callbacks are plain synchronous calls, so the adapters publish on the
+synchronous bus: each ``publish`` returns when the event's subscribers ran, and
+``add_metric`` / ``add_to_trace`` / ``add_to_ml_tracker`` work in the user's model code
+between two callbacks.  :class:`Driver` keeps where the run is (is a step open, was
+``AfterTrain`` published for this epoch) so that each adapter is only the mapping from its
+framework's callback points to the driver's methods.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import sys
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+from .._checks import boolean, positive_number
+from ..collect import add_metric, current_collector
+from ..events import (
+    AfterBackward,
+    AfterData,
+    AfterEpoch,
+    AfterEval,
+    AfterLoadCheckpoint,
+    AfterOptimizerStep,
+    AfterStep,
+    AfterTrain,
+    BeforeEpoch,
+    BeforeOptimizerStep,
+    BeforeSaveCheckpoint,
+    BeforeStep,
+    OutOfData,
+    Start,
+)
+from ..hook import Hook
+from ..syncbus import SyncHookBus
+
+__all__ = ["Driver", "StepPlace", "plain_metrics"]
+
+logger = logging.getLogger("recis_async.adapters")
+
+
+class StepPlace:
+    """Where an open step is (its ``BeforeStep`` was published, its end not yet)."""
+
+    __slots__ = ("epoch", "global_step", "is_train", "local_step", "optimized")
+
+    def __init__(self, is_train: bool, global_step: int, local_step: int, epoch: int) -> None:
+        self.is_train = is_train
+        self.global_step = global_step
+        self.local_step = local_step
+        self.epoch = epoch
+        self.optimized = False  # a BeforeOptimizerStep was published in this step
+
+
+class Driver:
+    """Publishes the lifecycle events for one adapter, on a bus it owns or was given.
+
+    With ``bus=None`` the driver opens a :class:`SyncHookBus` (``flush_timeout``,
+    ``handle_signals``) when the framework's run starts, adds ``hooks``, and closes it when
+    the run ends or fails (``End`` once, every service drained).  With a bus, the hooks are
+    added to it and the bus is left open: its owner's ``with`` block closes it.
+    """
+
+    def __init__(
+        self,
+        owner: str,
+        hooks: Sequence[Hook] | None,
+        bus: SyncHookBus | None,
+        flush_timeout: float,
+        handle_signals: bool,
+    ) -> None:
+        self.owner = owner
+        if hooks is None:
+            hooks = ()
+        if isinstance(hooks, Hook) or not isinstance(hooks, Sequence):
+            raise TypeError(f"{owner}(hooks=...): expected a sequence of Hook, got {hooks!r:.80}")
+        for i, hook in enumerate(hooks):
+            if not isinstance(hook, Hook):
+                raise TypeError(f"{owner}(hooks[{i}]=...): expected a Hook, got {hook!r:.80}")
+        if bus is not None and not isinstance(bus, SyncHookBus):
+            raise TypeError(f"{owner}(bus=...): expected a SyncHookBus or None, got {bus!r:.80}")
+        self.hooks = list(hooks)
+        self.flush_timeout = positive_number(owner, "flush_timeout", flush_timeout)
+        self.handle_signals = boolean(owner, "handle_signals", handle_signals)
+        self._given = bus
+        self.bus: SyncHookBus | None = bus
+        self._owned = False  # the bus was opened here and is closed here
+        self._entered = False  # the user entered the adapter with ``with``
+        self.step: StepPlace | None = None
+        self._trained_epoch: int | None = None  # AfterTrain was published for this epoch
+
+    # ------------------------------------------------------------------ the bus
+    def __enter__(self) -> SyncHookBus:
+        """Open the bus now (``with adapter:`` around the framework's run), so that it is
+        closed -- and what the hooks hold delivered -- even when the run raises in a place
+        the framework reports to no callback."""
+        if self._entered:
+            raise RuntimeError(f"{self.owner}: entered twice")
+        self._entered = True
+        return self._open_bus()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._entered = False
+        self.close(exc)
+
+    def _open_bus(self) -> SyncHookBus:
+        if self.bus is not None:
+            if not self._owned:  # given: add the hooks once
+                on_bus = self.bus.hooks
+                for hook in self.hooks:
+                    if not any(h is hook for h in on_bus):
+                        self.bus.add_hook(hook)
+            return self.bus
+        bus = SyncHookBus(flush_timeout=self.flush_timeout, handle_signals=self.handle_signals)
+        bus.__enter__()
+        self.bus, self._owned = bus, True
+        try:
+            for hook in self.hooks:
+                bus.add_hook(hook)
+        except BaseException as exc:
+            self.close(exc)
+            raise
+        return bus
+
+    def start(self, is_train: bool = True) -> SyncHookBus:
+        """The framework's run starts: open the bus (unless open) and publish ``Start``."""
+        bus = self._open_bus()
+        self.step = None
+        self._trained_epoch = None
+        bus.publish(Start(is_train=is_train))
+        return bus
+
+    def close(self, exc: BaseException | None = None) -> None:
+        """The run ended (``exc``: how it failed): close the bus if this driver opened it;
+        idempotent.  Leaving the bus after a stop signal raises ``SystemExit(128 + signal)``
+        here, as ``with SyncHookBus()`` does."""
+        bus = self.bus
+        if bus is None or not self._owned or self._entered:
+            return
+        self.bus, self._owned = self._given, False
+        if exc is None:
+            bus.__exit__(None, None, None)
+        else:
+            bus.__exit__(type(exc), exc, exc.__traceback__)
+
+    def fail(self, exc: BaseException) -> None:
+        """The framework reports that the run failed with ``exc``: close the owned bus with it
+        (``Error`` then ``End(status="failed")``; its close errors are logged, the run's own
+        exception is what the framework raises)."""
+        if self.bus is None or not self._owned or self._entered:
+            return
+        try:
+            self.close(exc)
+        except BaseException as close_exc:  # the run's exception matters more
+            if close_exc is not exc:
+                logger.error("%s: closing the bus after %r failed: %s", self.owner, exc, close_exc)
+
+    @property
+    def should_stop(self) -> bool:
+        bus = self.bus
+        return bus is not None and bus.should_stop
+
+    # ------------------------------------------------------------------ one step
+    def begin_step(
+        self, is_train: bool, global_step: int, local_step: int, epoch: int, *, data: bool = True
+    ) -> None:
+        """``BeforeStep`` (and ``AfterData`` when the batch is already there: frameworks call
+        back after the batch was fetched)."""
+        bus = self.bus
+        if bus is None:
+            return
+        if self.step is not None:  # the framework skipped the end of the last one
+            self.out_of_data()
+        self.step = StepPlace(is_train, global_step, local_step, epoch)
+        bus.publish(
+            BeforeStep(is_train=is_train, global_step=global_step, local_step=local_step, epoch=epoch)
+        )
+        if data:
+            self.after_data()
+
+    def after_data(self) -> None:
+        step = self.step
+        if step is not None and self.bus is not None:
+            self.bus.publish(
+                AfterData(
+                    is_train=step.is_train,
+                    global_step=step.global_step,
+                    local_step=step.local_step,
+                    epoch=step.epoch,
+                )
+            )
+
+    def after_backward(self, sync: bool) -> None:
+        step = self.step
+        if step is not None and self.bus is not None:
+            self.bus.publish(
+                AfterBackward(
+                    is_train=step.is_train,
+                    global_step=step.global_step,
+                    local_step=step.local_step,
+                    epoch=step.epoch,
+                    sync=sync,
+                )
+            )
+
+    def before_optimizer_step(self, optimizers: tuple[Any, ...], scaler: Any = None) -> None:
+        step = self.step
+        if step is not None and self.bus is not None:
+            step.optimized = True
+            self.bus.publish(
+                BeforeOptimizerStep(
+                    is_train=step.is_train,
+                    global_step=step.global_step,
+                    local_step=step.local_step,
+                    epoch=step.epoch,
+                    optimizers=optimizers,
+                    scaler=scaler,
+                )
+            )
+
+    def after_optimizer_step(self, optimizers: tuple[Any, ...], scaler: Any = None) -> None:
+        step = self.step
+        if step is not None and self.bus is not None and step.optimized:
+            step.optimized = False
+            self.bus.publish(
+                AfterOptimizerStep(
+                    is_train=step.is_train,
+                    global_step=step.global_step,
+                    local_step=step.local_step,
+                    epoch=step.epoch,
+                    optimizers=optimizers,
+                    scaler=scaler,
+                )
+            )
+
+    def end_step(
+        self,
+        samples: int,
+        loss: Any = None,
+        metrics: Mapping[str, Any] | None = None,
+        optimizers: tuple[Any, ...] = (),
+    ) -> bool:
+        """``AfterStep`` of the open step, with ``loss`` (a tensor stays a tensor: the bus
+        keeps it on its device) and the framework's ``metrics`` added as metrics (a name the
+        step's code already added keeps that value).  Returns whether the bus should stop,
+        for the adapter to tell its framework."""
+        step, bus = self.step, self.bus
+        if step is None or bus is None:
+            return self.should_stop
+        self.step = None
+        if step.optimized:  # frameworks without a callback after the optimizer step
+            step.optimized = False
+            bus.publish(
+                AfterOptimizerStep(
+                    is_train=step.is_train,
+                    global_step=step.global_step,
+                    local_step=step.local_step,
+                    epoch=step.epoch,
+                    optimizers=optimizers,
+                )
+            )
+        if loss is not None:
+            add_metric("loss", loss)
+        extra: dict[str, Any] = {}
+        if metrics:
+            for name, value in metrics.items():
+                if name != "loss" and isinstance(name, str) and name:
+                    extra[name] = value
+        if extra:
+            _add_metrics(extra)
+        bus.publish(
+            AfterStep(
+                is_train=step.is_train,
+                global_step=step.global_step,
+                local_step=step.local_step,
+                epoch=step.epoch,
+                samples=samples,
+            )
+        )
+        return bus.should_stop
+
+    def out_of_data(self) -> None:
+        """The open step has no batch (the data ran out after ``BeforeStep``)."""
+        step, bus = self.step, self.bus
+        self.step = None
+        if step is not None and bus is not None:
+            bus.publish(
+                OutOfData(
+                    is_train=step.is_train,
+                    global_step=step.global_step,
+                    local_step=step.local_step,
+                    epoch=step.epoch,
+                )
+            )
+
+    # ------------------------------------------------------------------ epochs, evaluation
+    def before_epoch(self, epoch: int) -> None:
+        if self.bus is not None:
+            self.bus.publish(BeforeEpoch(is_train=True, epoch=epoch))
+
+    def after_train(self, global_step: int, epoch: int) -> None:
+        """``AfterTrain`` once per epoch (frameworks evaluating at an epoch's end call back
+        for the evaluation before the epoch's end)."""
+        if self.step is not None and self.step.is_train:
+            self.out_of_data()
+        if self.bus is not None and self._trained_epoch != epoch:
+            self._trained_epoch = epoch
+            self.bus.publish(AfterTrain(is_train=True, global_step=global_step, epoch=epoch))
+
+    def after_epoch(self, epoch: int, global_step: int) -> None:
+        self.after_train(global_step, epoch)
+        if self.bus is not None:
+            self.bus.publish(AfterEpoch(is_train=True, epoch=epoch, global_step=global_step))
+
+    def after_eval(self, global_step: int, steps: int, metrics: Mapping[str, Any]) -> None:
+        """``AfterEval`` with the framework's evaluation metrics, read as numbers here (once
+        per evaluation, not on a step)."""
+        if self.step is not None and not self.step.is_train:
+            self.out_of_data()
+        if self.bus is not None:
+            self.bus.publish(
+                AfterEval(global_step=global_step, steps=steps, metrics=plain_metrics(metrics))
+            )
+
+    # ------------------------------------------------------------------ checkpoints
+    def hook_states(self, global_step: int, path: str = "") -> dict[str, Any]:
+        """``BeforeSaveCheckpoint``, then every hook's ``state_dict()`` by ``state_key``."""
+        bus = self.bus
+        if bus is None:
+            return {}
+        bus.publish(BeforeSaveCheckpoint(global_step=global_step, path=path))
+        states: dict[str, Any] = {}
+        for hook in bus.hooks:
+            try:
+                states[hook.state_key] = hook.state_dict()
+            except Exception as exc:
+                raise RuntimeError(f"{hook!r}.state_dict() failed: {exc}") from exc
+        return states
+
+    def load_hook_states(self, states: Mapping[str, Any], global_step: int, path: str) -> None:
+        """Give each hook its state from a checkpoint, then publish ``AfterLoadCheckpoint``
+        (as :func:`~recis_async.checkpoint.restore_checkpoint` does for this library's own
+        checkpoints)."""
+        bus = self.bus
+        if bus is None:
+            raise RuntimeError(f"{self.owner}: hook states to restore, but no bus is open")
+        if not isinstance(states, Mapping):
+            raise TypeError(
+                f"{self.owner}: expected the hook states of a checkpoint as a dict, got "
+                f"{type(states).__name__}"
+            )
+        on_bus = {hook.state_key: hook for hook in bus.hooks}
+        for key, state in states.items():
+            hook = on_bus.get(key)
+            if hook is None:
+                if state:
+                    logger.warning("%s holds state for %r: no such hook on the bus", path, key)
+                continue
+            hook.load_state_dict(copy.deepcopy(state))
+        bus.publish(
+            AfterLoadCheckpoint(global_step=global_step, path=path, hook_states=dict(states))
+        )
+
+
+def _add_metrics(values: Mapping[str, Any]) -> None:
+    """Add a framework's logged values; one that ``add_metric`` refuses is skipped (logged
+    at DEBUG): the framework accepted it, and a step is not the place to fail over it."""
+    taken = current_collector("add_metric").metrics
+    for name, value in values.items():
+        if name in taken:
+            continue
+        try:
+            add_metric(name, value)
+        except (TypeError, ValueError) as exc:
+            logger.debug("not a metric: %s=%r (%s)", name, value, exc)
+
+
+def plain_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """Numbers of a framework's evaluation metrics (one-element tensors read here, once per
+    evaluation); values of other kinds are left out."""
+    out: dict[str, Any] = {}
+    torch = sys.modules.get("torch")
+    for name, value in metrics.items():
+        if not isinstance(name, str):
+            continue
+        if torch is not None and isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                continue
+            value = value.detach().reshape(()).item()
+        if isinstance(value, bool):
+            value = int(value)
+        if isinstance(value, int | float):
+            out[name] = value
+    return out

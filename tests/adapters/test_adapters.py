@@ -1,0 +1,170 @@
+"""The adapters with the real frameworks: a short CPU job per framework carrying the trace,
+tracker, logger and NaN hooks, read back complete and once; a hook's stop request stopping
+the framework's loop at that step; a failure and a Ctrl-C ending the job with every row of
+the steps the hooks were handed delivered; the hooks' state travelling with the framework's
+checkpoints."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("lightning")
+pytest.importorskip("transformers")
+pytest.importorskip("ignite")
+
+import peers_support as ps  # noqa: E402
+from terminal import Terminal  # noqa: E402
+
+from recis_async.errors import HookError  # noqa: E402
+from recis_async.events import AfterLoadCheckpoint, AfterStep, BeforeSaveCheckpoint, End, Start  # noqa: E402
+from recis_async.hook import Hook  # noqa: E402
+from recis_async.syncbus import SyncHookBus  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).parent / "scripts" / "peer_job.py"
+STEPS = 5  # per epoch
+
+
+class Events(Hook):
+    """Records the events of a run, by type name (training steps with their global step)."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def start(self, event: Start) -> None:
+        self.seen.append("Start")
+
+    def after_step(self, event: AfterStep) -> None:
+        if event.is_train:
+            self.seen.append(f"AfterStep{event.global_step}")
+            assert "loss" in event.metrics
+
+    def end(self, event: End) -> None:
+        self.seen.append(f"End:{event.status}")
+
+
+@pytest.mark.parametrize("framework", ps.FRAMEWORKS)
+def test_a_short_job_delivers_every_row_and_record_once(framework: str, tmp_path: Path) -> None:
+    events = Events()
+    hooks, lines, published = ps.job_hooks(tmp_path, events)
+    ran = ps.run_job(framework, tmp_path, hooks, rows=ps.ROWS * STEPS, epochs=2)
+    assert ran == 2 * STEPS
+    ps.check_delivered(tmp_path, published.steps, rows_per_epoch=ps.ROWS * STEPS)
+    assert published.steps == list(range(2 * STEPS))
+    assert events.seen == ["Start", *(f"AfterStep{i}" for i in range(2 * STEPS)), "End:ok"]
+    assert len(lines.lines) == STEPS  # LoggerHook(log_step=2): at steps 1, 3, ... 9
+    assert all("<loss=" in line for line in lines.lines), lines.lines
+
+
+@pytest.mark.parametrize("framework", ps.FRAMEWORKS)
+def test_a_hooks_stop_request_stops_the_framework_at_that_step(
+    framework: str, tmp_path: Path
+) -> None:
+    hooks, _, published = ps.job_hooks(tmp_path, ps.StopAt(3))
+    ran = ps.run_job(framework, tmp_path, hooks, rows=ps.ROWS * 50)
+    assert ran == 4  # steps 0..3
+    ps.check_delivered(tmp_path, published.steps)
+    assert published.steps == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("framework", ps.FRAMEWORKS)
+def test_a_failing_step_closes_the_bus_with_the_rows_before_it(
+    framework: str, tmp_path: Path
+) -> None:
+    events = Events()
+    hooks, _, published = ps.job_hooks(tmp_path, events)
+    with pytest.raises(RuntimeError, match="boom"):
+        ps.run_job(framework, tmp_path, hooks, rows=ps.ROWS * 50, fail_at=4)
+    assert events.seen[-1] == "End:failed"
+    ps.check_delivered(tmp_path, published.steps)
+    assert published.steps == [0, 1, 2, 3]
+
+
+def test_a_nan_loss_fails_the_job_at_that_step(tmp_path: Path) -> None:
+    """NanTensorHook reads the loss the adapter put into AfterStep.metrics."""
+    import torch
+
+    hooks, _, published = ps.job_hooks(tmp_path)
+    original = ps.Net.forward
+
+    def nan_at_2(self: Any, **batch: Any) -> Any:
+        out = original(self, **batch)
+        if self.training and int(batch["ids"][0]) == 2 * ps.ROWS:
+            out["loss"] = out["loss"] * torch.tensor(float("nan"))
+        return out
+
+    ps.Net.forward = nan_at_2  # type: ignore[method-assign]
+    try:
+        with pytest.raises(HookError, match="NanTensorHook"):
+            ps.run_job("ignite", tmp_path, hooks, rows=ps.ROWS * 20)
+    finally:
+        ps.Net.forward = original  # type: ignore[method-assign]
+    assert published.steps == [0, 1]
+
+
+def test_a_given_bus_is_left_open_for_its_owner(tmp_path: Path) -> None:
+    events = Events()
+    hooks, _, published = ps.job_hooks(tmp_path, events)
+    with SyncHookBus() as bus:
+        ps.run_job("lightning", tmp_path, hooks, rows=ps.ROWS * 3, bus=bus)
+        assert events.seen[-1] == "AfterStep2"  # no End yet: the bus is the caller's
+        assert all(any(h is hook for h in bus.hooks) for hook in hooks)
+    assert events.seen[-1] == "End:ok"
+    ps.check_delivered(tmp_path, published.steps)
+
+
+@pytest.mark.parametrize("framework", ps.FRAMEWORKS)
+def test_ctrl_c_in_a_terminal_ends_the_job_with_its_rows_delivered(
+    framework: str, tmp_path: Path
+) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    with Terminal([sys.executable, str(SCRIPT), framework, str(tmp_path)], env=env) as term:
+        term.expect(b"ready", timeout=240)
+        term.press(b"\x03")
+        rc = term.wait(timeout=240)
+    assert rc == 128 + signal.SIGINT, term.text
+    assert "Traceback" not in term.text, term.text
+    assert "finished without a stop" not in term.text
+    steps = [int(s) for s in (tmp_path / "published.txt").read_text().split()]
+    assert len(steps) >= 11
+    ps.check_delivered(tmp_path, steps)
+
+
+class Counting(Hook):
+    """A hook with state: the training steps it saw, over resumes."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.saves: list[int] = []
+        self.loaded: list[int] = []
+
+    def after_step(self, event: AfterStep) -> None:
+        if event.is_train:
+            self.count += 1
+
+    def before_save_checkpoint(self, event: BeforeSaveCheckpoint) -> None:
+        self.saves.append(event.global_step)
+
+    def after_load_checkpoint(self, event: AfterLoadCheckpoint) -> None:
+        self.loaded.append(event.global_step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.count = state["count"]
+
+
+@pytest.mark.parametrize("framework", ps.FRAMEWORKS)
+def test_hook_state_travels_with_the_frameworks_checkpoint(framework: str, tmp_path: Path) -> None:
+    first, second = Counting(), Counting()
+    ps.checkpoint_and_resume(framework, tmp_path, first, second, steps=STEPS)
+    assert first.count == STEPS and first.saves == [STEPS]
+    assert second.loaded == [STEPS]
+    assert second.count == 2 * STEPS  # restored, then the second epoch's steps

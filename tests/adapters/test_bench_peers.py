@@ -1,0 +1,30 @@
+"""benchmarks/bench_peers.py --quick: every path of the side-by-side job runs and reports."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_bench_peers_quick_runs_every_path(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_peers.py"), "--quick"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = proc.stdout
+    for config in ("plain", "plain-again", "trainer", "async-loop", "sync-loop"):
+        assert f"| {config} |" in table, table
+    for framework in ("lightning", "hf", "ignite"):
+        assert f"| {framework} |" in table and f"| {framework}+adapter |" in table, table
