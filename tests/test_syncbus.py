@@ -248,16 +248,35 @@ def test_a_subscriber_publishing_nested(backend: str) -> None:
             bus.publish(Pong())
 
 
-def test_the_thread_looks_loop_free_inside_the_block(backend: str) -> None:
-    """User code in the block may run its own event loop, and sees none running."""
+def test_another_event_loop_runs_before_after_or_beside_the_block(backend: str) -> None:
+    """In a plain script the bus's loop is the thread's running loop for the whole block (so
+    ``asyncio.run`` there is refused, as documented); before and after the block, and in
+    another thread, other event loops run as usual."""
+    assert asyncio.run(asyncio.sleep(0, "before")) == "before"
     with sync_bus(backend) as bus:
         bus.publish(BeforeStep(global_step=0))
-        with pytest.raises(RuntimeError, match="no running event loop"):
-            asyncio.get_running_loop()
-        assert asyncio.run(asyncio.sleep(0, "ran")) == "ran"
         if backend == "asyncio":
-            assert anyio.run(anyio.sleep, 0, backend="asyncio") is None
+            coro = asyncio.sleep(0)
+            with pytest.raises(RuntimeError, match="cannot be called from a running event loop"):
+                asyncio.run(coro)
+            coro.close()
+        result: list[str] = []
+        thread = threading.Thread(target=lambda: result.append(asyncio.run(asyncio.sleep(0, "t"))))
+        thread.start()
+        thread.join()
+        assert result == ["t"]
         bus.publish(AfterStep(global_step=0))
+    with pytest.raises(RuntimeError, match="no running event loop"):
+        asyncio.get_running_loop()
+    assert sniffio_library() is None
+    assert anyio.run(anyio.sleep, 0, backend=backend) is None
+
+
+def sniffio_library() -> str | None:
+    try:
+        return sniffio.current_async_library()
+    except sniffio.AsyncLibraryNotFoundError:
+        return None
 
 
 def test_misuse_gets_a_clear_error(backend: str) -> None:
