@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .aggregate import Reduction, check_reduction
-from .events import _METRIC_DTYPES
+from .events import metric_dtypes
 from .hostcopy import DEFAULT_HOST_BUFFER_BYTES, HostBufferPool, HostCopy, resolved_dtype
 
 __all__ = [
@@ -167,7 +167,7 @@ def add_metric(name: str, value: Any, reduce: Reduction = "mean") -> None:
     if type(value) is torch.Tensor:  # the common case on a GPU: a device copy, no read
         if value.is_meta or value.is_nested or value.layout is not torch.strided:
             _check_metric_tensor(name, value)
-        elif value.dtype not in _METRIC_DTYPES:
+        elif value.dtype not in metric_dtypes():
             _check_metric_tensor(name, value)
         value = value.detach().clone()
     elif type(value) is not float and type(value) is not int:  # the common case, kept cheap
@@ -182,7 +182,7 @@ def add_metric(name: str, value: Any, reduce: Reduction = "mean") -> None:
 def _check_metric_tensor(name: str, value: torch.Tensor) -> None:
     """A tensor ``add_metric`` cannot keep: named at the call (no value is read)."""
     _check_tensor("add_metric", name, value)
-    if value.dtype not in _METRIC_DTYPES:
+    if value.dtype not in metric_dtypes():
         raise TypeError(
             f"add_metric({name!r}): expected a number, tensor, numeric numpy array or list of "
             f"numbers (a str or other array needs reduce='last' or a callable), got Tensor of "

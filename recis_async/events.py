@@ -13,13 +13,14 @@ epochs and counts.
 
 from __future__ import annotations
 
+import functools
 import re
+import sys
 from collections.abc import Callable
 from typing import Annotated, Any, Final, Literal, get_args
 
 import msgspec
 import numpy as np
-import torch
 
 from .hostcopy import HostCopy
 
@@ -222,7 +223,7 @@ class AfterStep(StepEvent, frozen=True, kw_only=True):
         elif v:
             for k, x in v.items():
                 if type(k) is not str or (type(x) is not float and type(x) is not int):
-                    if type(k) is str and type(x) is torch.Tensor and _is_metric_tensor(x):
+                    if type(k) is str and _is_tensor(x) and _is_metric_tensor(x):
                         continue  # a device value, read off the step by the hooks
                     _check_values(self, "metrics", v, _is_metric, _METRIC)
                     break
@@ -345,36 +346,48 @@ def _is_plain_metric(value: object) -> bool:
 
 
 def _is_metric(value: object) -> bool:
-    if isinstance(value, torch.Tensor):
+    if _is_tensor(value):
         return _is_metric_tensor(value)
     return _is_plain_metric(value)
 
 
-_METRIC_DTYPES: Final = frozenset(
-    {
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-    }
-)
-"""Tensor dtypes a metric may have (what a window can sum and compare, and numpy can hold
-once read; float8 and complex are not among them)."""
+def _is_tensor(value: object) -> bool:
+    """Whether ``value`` is a torch tensor.  torch is not imported here: a tracker's child
+    process imports this module and must not pay for torch (where torch was never imported,
+    nothing is a tensor)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
 
 
-def _is_metric_tensor(value: torch.Tensor) -> bool:
+@functools.cache
+def metric_dtypes() -> frozenset[Any]:
+    """Tensor dtypes a metric may have (what a window can sum and compare, and numpy can hold
+    once read; float8 and complex are not among them)."""
+    import torch
+
+    return frozenset(
+        {
+            torch.bool,
+            torch.uint8,
+            torch.int8,
+            torch.int16,
+            torch.int32,
+            torch.int64,
+            torch.float16,
+            torch.bfloat16,
+            torch.float32,
+            torch.float64,
+        }
+    )
+
+
+def _is_metric_tensor(value: Any) -> bool:
     """A dense tensor holding numbers (checked without reading a value)."""
     return (
         not value.is_meta
         and not value.is_nested
-        and value.layout is torch.strided
-        and value.dtype in _METRIC_DTYPES
+        and value.layout is sys.modules["torch"].strided
+        and value.dtype in metric_dtypes()
     )
 
 
@@ -422,7 +435,7 @@ def _check_values(
         if not accepts(v):
             detail = f"{v.dtype} array" if isinstance(v, np.ndarray) else type(v).__name__
             shown = f"{v!r:.60}"
-            if isinstance(v, torch.Tensor):  # named by what it is: its values are not read
+            if _is_tensor(v):  # named by what it is: its values are not read
                 detail = f"{v.dtype} tensor"
                 shown = f"(layout {v.layout}, device {v.device}, shape {tuple(v.shape)})"
             raise error(

@@ -144,13 +144,26 @@ class ProgressBarHook(Hook):
         if self._bar is not None:
             self._bar.set_postfix(values, refresh=False)
 
-    async def end(self, event: End) -> None:
-        if self._bar is not None:
+    def end(self, event: End) -> Awaitable[None] | None:
+        """Sync (so it still runs when an ``End`` subscriber before it overran the close
+        deadline); a coroutine only while tensor values wait to be read for the last postfix."""
+        if self._bar is not None and (self._latest or self._reads.busy):
+            return self._last_values_then_close()
+        self._close()
+        return None
+
+    async def _last_values_then_close(self) -> None:
+        try:
             await self._reads.wait_idle()
             if self._latest:  # the last values, read now (the run is over)
                 self._show(await anyio.to_thread.run_sync(read_values, self._latest))
                 self._latest = {}
                 self._bar.refresh()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        if self._bar is not None:
             self._bar.close()
             self._bar = None
         if self._unroute is not None:
