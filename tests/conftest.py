@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -142,3 +143,15 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "async_bus_only: not run on SyncHookBus by the either_bus fixture"
     )
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored() -> Iterator[None]:
+    """Each test starts with the SIGINT/SIGTERM handlers the previous one found: a framework
+    that installs its own (Lightning, Hugging Face's Trainer) must not change what a later
+    test's Ctrl-C does."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, handler in saved.items():
+        if signal.getsignal(s) is not handler and handler is not None:
+            signal.signal(s, handler)
