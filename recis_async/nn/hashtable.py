@@ -450,11 +450,19 @@ class HashTable(nn.Module):
             targets.append(grad)
         for state in self._optimizer_states():
             targets.extend(v for v in state.values() if self._is_row_state(v))
+        # index_copy_/index_fill_ and slice copy_/zero_ take the value as a kernel argument;
+        # ``target[idx] = 0`` would first copy a host scalar to the device, which waits for it
         for i, target in enumerate(targets):
             if r:
-                target[reused] = rows[:r] if i == 0 else 0
+                if i == 0:
+                    target.index_copy_(0, reused, rows[:r])
+                else:
+                    target.index_fill_(0, reused, 0)
             if fresh:
-                target[start : start + fresh] = rows[r:] if i == 0 else 0
+                if i == 0:
+                    target[start : start + fresh].copy_(rows[r:])
+                else:
+                    target[start : start + fresh].zero_()
 
     def _initial_rows(self, k: int) -> torch.Tensor:
         device = self.weight.device

@@ -58,12 +58,24 @@ async def test_windows_on_global_step_to_the_tracker_and_the_log(
     records = read_records(tracker.run_dir / "metrics.jsonl")
     assert [r.step for r in records] == [4, 9]
     first, second = (r.values for r in records)
+    cuda = {
+        f"device/cuda/{k}"
+        for k in (
+            "allocated_bytes",
+            "allocated_peak_bytes",
+            "reserved_bytes",
+            "reserved_peak_bytes",
+            "alloc_retries",
+            "ooms",
+        )
+    }
     assert set(first) == {
         "device/host/rss_bytes",
         "device/host/peak_rss_bytes",
         "device/host/cpu_seconds",
         "device/host/cpu_percent",
-    }  # no CUDA keys on a machine without CUDA
+        *(cuda if torch.cuda.is_available() else ()),
+    }  # CUDA keys only where CUDA is
     assert second["device/host/rss_bytes"] - first["device/host/rss_bytes"] > 200 * MIB
     assert second["device/host/rss_bytes"] == pytest.approx(rss_now, rel=0.05)
     assert second["device/host/peak_rss_bytes"] >= second["device/host/rss_bytes"]
@@ -73,7 +85,9 @@ async def test_windows_on_global_step_to_the_tracker_and_the_log(
     lines = [r.getMessage() for r in caplog.records if r.name.endswith("device_stats")]
     assert len(lines) == 2
     found = re.fullmatch(
-        r"device stats <gstep=9> rss=([\d.]+)MiB peak_rss=([\d.]+)MiB cpu=\d+%", lines[1]
+        r"device stats <gstep=9> rss=([\d.]+)MiB peak_rss=([\d.]+)MiB cpu=\d+%"
+        + (r" cuda_allocated=.*" if torch.cuda.is_available() else ""),
+        lines[1],
     )
     assert found is not None, lines[1]
     assert float(found.group(1)) == pytest.approx(second["device/host/rss_bytes"] / MIB, abs=0.1)
@@ -132,7 +146,11 @@ class History:
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
 
-    def _record_memory_history(self, enabled: Any = "all", max_entries: int = 0) -> None:
+    def _record_memory_history(
+        self, enabled: Any = "all", context: Any = "all", stacks: str = "all", max_entries: int = 0
+    ) -> None:
+        if enabled is not None:  # allocation stacks, Python frames only: the cheap history
+            assert (context, stacks) == ("alloc", "python")
         self.calls.append(("record", enabled if enabled is None else max_entries))
 
     def _dump_snapshot(self, filename: str) -> None:
@@ -237,3 +255,5 @@ async def test_a_real_out_of_memory_error_leaves_a_snapshot(tmp_path: Path) -> N
     with open(snapshot, "rb") as f:
         data = pickle.load(f)
     assert data["segments"] and data["device_traces"]
+    frames = [f for trace in data["device_traces"] for e in trace for f in e.get("frames", [])]
+    assert any(f["filename"] == __file__ for f in frames)  # who allocated: Python frames
