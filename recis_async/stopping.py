@@ -77,9 +77,14 @@ class StopSignals:
         self._told = 0  # signals catch_up has acted on: 0, 1 (the stop) or 2 (the hurry)
         self._scope: anyio.CancelScope | None = None
         self._chained: dict[int, Any] = {}  # the loop's own handlers, called after ours
+        self._before: dict[int, Any] = {}  # the handlers before the bus opened
+        self._closed = False
 
     # -------------------------------------------------------------- in the signal handler
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._closed:
+            _as_if_never_opened(signum, frame, self._before.get(signum))
+            return
         if self.signum is None:
             self.signum = signum
             self._stop_now(f"preempted by {signal.Signals(signum).name}")
@@ -115,7 +120,7 @@ class StopSignals:
         Shielded, so cancelling the body does not end it: the handlers stay installed until
         close is done (else a third SIGINT would raise ``KeyboardInterrupt`` and a SIGTERM
         would kill the process in the middle of spilling)."""
-        previous = {s: signal.getsignal(s) for s in _SIGNALS}
+        previous = self._before = {s: signal.getsignal(s) for s in _SIGNALS}
         for s in _SIGNALS:  # what the receiver hands a late signal back to (see below)
             signal.signal(s, signal.SIG_IGN)
         try:
@@ -129,6 +134,7 @@ class StopSignals:
             with anyio.CancelScope(shield=True):
                 for _ in range(3):
                     await anyio.lowlevel.checkpoint()
+            self._closed = True  # a framework may put this handler back: see below
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
@@ -149,6 +155,26 @@ class StopSignals:
         """Stop watching (the bus has closed); the default handlers return."""
         if self._scope is not None:
             self._scope.cancel()
+
+
+def _as_if_never_opened(signum: int, frame: FrameType | None, before: Any) -> None:
+    """A closed bus's handler, put back by a framework that saved it while the bus was open
+    (Lightning's signal connector does, at the end of a failed ``fit``): the signal does what it
+    did before the bus opened, so Ctrl-C still interrupts.
+
+    SIGINT raises ``KeyboardInterrupt`` rather than calling the saved handler, which may be an
+    event loop runner's that has ended too; an ignored signal stays ignored; SIGTERM goes to
+    the saved handler, or with none kills the process as the default action does.
+    """
+    if before == signal.SIG_IGN:
+        return
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    if callable(before):
+        before(signum, frame)
+        return
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def end_status(exc: BaseException | None, signum: int | None) -> EndStatus:

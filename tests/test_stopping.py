@@ -129,3 +129,66 @@ async def test_children_forked_while_a_bus_watches_ignore_stop_signals_but_progr
             [sys.executable, "-c", probe], capture_output=True, text=True, preexec_fn=lambda: None
         )
     assert result.stdout.split() == ["False", "False"], result
+
+
+@pytest.mark.anyio
+async def test_a_closed_buss_handler_put_back_by_a_framework_acts_as_before_the_bus() -> None:
+    """Lightning's signal connector saves the handlers it finds at the start of ``fit`` (the
+    open bus's) and puts them back at its teardown, after a failure closed the bus: Ctrl-C must
+    still interrupt, and SIGTERM reach the handler that was there before the bus."""
+    from recis_async import HookBus
+
+    got: list[int] = []
+    before_term = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    try:
+        async with HookBus():
+            stale = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        for s, handler in stale.items():  # what the framework's teardown does
+            signal.signal(s, handler)
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGTERM)
+        assert got == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, before_term)
+
+
+@pytest.mark.parametrize("before", ["default", "ignore"])
+def test_a_closed_buss_handler_put_back_kills_or_ignores_as_the_default_did(
+    tmp_path: Path, before: str
+) -> None:
+    """With no handler of its own before the bus, SIGTERM kills the process (status -15) as
+    the default action does; an ignored SIGTERM (``nohup``) stays ignored."""
+    script = tmp_path / "stale.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, signal, sys
+            import anyio
+            from recis_async import HookBus
+
+            if sys.argv[1] == "ignore":
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+            async def main():
+                async with HookBus():
+                    return signal.getsignal(signal.SIGTERM)
+
+            signal.signal(signal.SIGTERM, anyio.run(main))  # a framework puts it back
+            os.kill(os.getpid(), signal.SIGTERM)
+            print("alive", flush=True)
+            """
+        )
+    )
+    result = subprocess.run(
+        [sys.executable, str(script), before],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if before == "default":
+        assert result.returncode == -TERM, result.stderr
+        assert result.stdout == ""
+    else:
+        assert (result.returncode, result.stdout) == (0, "alive\n"), result.stderr
