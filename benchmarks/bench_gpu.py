@@ -25,6 +25,12 @@ steps/s over the ``none`` slice of the same round, and the printed figure the me
 
     python benchmarks/bench_gpu.py [--rounds 5 --steps 200 --width 2048 --depth 6 --batch 16384]
     python benchmarks/bench_gpu.py --device cpu      # a tiny smoke run (tests/test_benchmarks.py)
+    python benchmarks/bench_gpu.py --without OOMObserverHook,TraceHook   # what those cost
+    python benchmarks/bench_gpu.py --switch-interval 0.0005   # the GIL handed over sooner
+
+Each variant also prints its step thread's CPU time per step (launches, hooks, recording: on a
+GPU the step is host-bound once it exceeds the device's time), and the hooks variant the step
+subscribers that took the most of the loop's time (``bus.stats()``: wall time, waits included).
 
 The trace goes to Parquet and, with ``--odps`` (the default when ``tests/odps_server.py`` is
 there), to the loopback ODPS service in a separate process at nice 19, as bench_trace.py runs it;
@@ -402,7 +408,11 @@ def main() -> int:
                         help="leave TraceToOdpsHook and the loopback ODPS service out")
     parser.add_argument("--without", type=lambda s: set(filter(None, s.split(","))),
                         default=set(), help="hook classes to leave out (comma-separated)")
+    parser.add_argument("--switch-interval", type=float,
+                        help="sys.setswitchinterval for the run (Python's default is 0.005 s)")
     args = parser.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)  # how long a thread may keep the GIL
     if args.device == "cuda" and not cuda:
         parser.error("--device cuda: CUDA is not available here (use --device cpu)")
     gpu = args.device == "cuda"
@@ -427,6 +437,8 @@ def main() -> int:
           f"{args.rounds} rounds of {args.steps} steps, {args.backend}")
     if args.without:
         print(f"left out: {', '.join(sorted(args.without))}")
+    if args.switch_interval is not None:
+        print(f"GIL switch interval: {args.switch_interval} s")
     print(f"{'variant':<8} {'steps/s':>9} {'x none':>8}  {'range':<11}  step-thread CPU ms/step")
     for v in VARIANTS:
         r = found[f"{v}/ratio"]
