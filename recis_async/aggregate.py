@@ -234,6 +234,7 @@ class MetricAggregator:
             functools.partial(
                 dist.all_gather_object,
                 mine,
+                device=dist.collective_device(),  # read here, on the loop's thread
                 timeout=timeout,
                 what="the evaluation metrics' all-gather",
             )

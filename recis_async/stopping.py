@@ -120,7 +120,8 @@ class StopSignals:
         Shielded, so cancelling the body does not end it: the handlers stay installed until
         close is done (else a third SIGINT would raise ``KeyboardInterrupt`` and a SIGTERM
         would kill the process in the middle of spilling)."""
-        previous = self._before = {s: signal.getsignal(s) for s in _SIGNALS}
+        previous: dict[int, Any] = {s: signal.getsignal(s) for s in _SIGNALS}
+        self._before = previous
         for s in _SIGNALS:  # what the receiver hands a late signal back to (see below)
             signal.signal(s, signal.SIG_IGN)
         try:
@@ -135,8 +136,8 @@ class StopSignals:
                 for _ in range(3):
                     await anyio.lowlevel.checkpoint()
             self._closed = True  # a framework may put this handler back: see below
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
     async def _receive(self, task_status: TaskStatus[None]) -> None:
         with (

@@ -271,7 +271,12 @@ class CheckpointSaverHook(Hook):
 
     async def _barrier(self, what: str) -> None:
         await anyio.to_thread.run_sync(
-            functools.partial(dist.barrier, timeout=self.barrier_timeout, what=what)
+            functools.partial(
+                dist.barrier,
+                device=dist.collective_device(),  # read here, on the loop's thread
+                timeout=self.barrier_timeout,
+                what=what,
+            )
         )
 
     def after_load_checkpoint(self, event: AfterLoadCheckpoint) -> None:

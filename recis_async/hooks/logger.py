@@ -229,6 +229,7 @@ class LoggerHook(Hook):
             functools.partial(
                 dist.all_reduce_mean,
                 numbers,
+                device=dist.collective_device(),  # read here, on the loop's thread
                 timeout=self.timeout,
                 what=f"LoggerHook's all-reduce at global_step {event.global_step}",
             )
