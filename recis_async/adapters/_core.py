@@ -39,7 +39,7 @@ from ..events import (
 from ..hook import Hook
 from ..syncbus import SyncHookBus
 
-__all__ = ["Driver", "StepPlace", "plain_metrics"]
+__all__ = ["Adapter", "Driver", "StepPlace", "plain_metrics"]
 
 logger = logging.getLogger("recis_async.adapters")
 
@@ -55,6 +55,15 @@ class StepPlace:
         self.local_step = local_step
         self.epoch = epoch
         self.optimized = False  # a BeforeOptimizerStep was published in this step
+
+    def at(self) -> dict[str, Any]:
+        """The step's place, as every step event takes it (``AfterData(**step.at())``)."""
+        return {
+            "is_train": self.is_train,
+            "global_step": self.global_step,
+            "local_step": self.local_step,
+            "epoch": self.epoch,
+        }
 
 
 class Driver:
@@ -183,7 +192,9 @@ class Driver:
             self.out_of_data()
         self.step = StepPlace(is_train, global_step, local_step, epoch)
         bus.publish(
-            BeforeStep(is_train=is_train, global_step=global_step, local_step=local_step, epoch=epoch)
+            BeforeStep(
+                is_train=is_train, global_step=global_step, local_step=local_step, epoch=epoch
+            )
         )
         if data:
             self.after_data()
@@ -191,57 +202,24 @@ class Driver:
     def after_data(self) -> None:
         step = self.step
         if step is not None and self.bus is not None:
-            self.bus.publish(
-                AfterData(
-                    is_train=step.is_train,
-                    global_step=step.global_step,
-                    local_step=step.local_step,
-                    epoch=step.epoch,
-                )
-            )
+            self.bus.publish(AfterData(**step.at()))
 
     def after_backward(self, sync: bool) -> None:
         step = self.step
         if step is not None and self.bus is not None:
-            self.bus.publish(
-                AfterBackward(
-                    is_train=step.is_train,
-                    global_step=step.global_step,
-                    local_step=step.local_step,
-                    epoch=step.epoch,
-                    sync=sync,
-                )
-            )
+            self.bus.publish(AfterBackward(**step.at(), sync=sync))
 
     def before_optimizer_step(self, optimizers: tuple[Any, ...], scaler: Any = None) -> None:
         step = self.step
         if step is not None and self.bus is not None:
             step.optimized = True
-            self.bus.publish(
-                BeforeOptimizerStep(
-                    is_train=step.is_train,
-                    global_step=step.global_step,
-                    local_step=step.local_step,
-                    epoch=step.epoch,
-                    optimizers=optimizers,
-                    scaler=scaler,
-                )
-            )
+            self.bus.publish(BeforeOptimizerStep(**step.at(), optimizers=optimizers, scaler=scaler))
 
     def after_optimizer_step(self, optimizers: tuple[Any, ...], scaler: Any = None) -> None:
         step = self.step
         if step is not None and self.bus is not None and step.optimized:
             step.optimized = False
-            self.bus.publish(
-                AfterOptimizerStep(
-                    is_train=step.is_train,
-                    global_step=step.global_step,
-                    local_step=step.local_step,
-                    epoch=step.epoch,
-                    optimizers=optimizers,
-                    scaler=scaler,
-                )
-            )
+            self.bus.publish(AfterOptimizerStep(**step.at(), optimizers=optimizers, scaler=scaler))
 
     def end_step(
         self,
@@ -260,15 +238,7 @@ class Driver:
         self.step = None
         if step.optimized:  # frameworks without a callback after the optimizer step
             step.optimized = False
-            bus.publish(
-                AfterOptimizerStep(
-                    is_train=step.is_train,
-                    global_step=step.global_step,
-                    local_step=step.local_step,
-                    epoch=step.epoch,
-                    optimizers=optimizers,
-                )
-            )
+            bus.publish(AfterOptimizerStep(**step.at(), optimizers=optimizers))
         if loss is not None:
             add_metric("loss", loss)
         extra: dict[str, Any] = {}
@@ -278,15 +248,7 @@ class Driver:
                     extra[name] = value
         if extra:
             _add_metrics(extra)
-        bus.publish(
-            AfterStep(
-                is_train=step.is_train,
-                global_step=step.global_step,
-                local_step=step.local_step,
-                epoch=step.epoch,
-                samples=samples,
-            )
-        )
+        bus.publish(AfterStep(**step.at(), samples=samples))
         return bus.should_stop
 
     def out_of_data(self) -> None:
@@ -294,14 +256,7 @@ class Driver:
         step, bus = self.step, self.bus
         self.step = None
         if step is not None and bus is not None:
-            bus.publish(
-                OutOfData(
-                    is_train=step.is_train,
-                    global_step=step.global_step,
-                    local_step=step.local_step,
-                    epoch=step.epoch,
-                )
-            )
+            bus.publish(OutOfData(**step.at()))
 
     # ------------------------------------------------------------------ epochs, evaluation
     def before_epoch(self, epoch: int) -> None:
@@ -402,3 +357,22 @@ def plain_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(value, int | float):
             out[name] = value
     return out
+
+
+class Adapter:
+    """What every adapter shows the same way: its bus, and ``with adapter:`` to open the bus
+    now and close it when the block ends (then a failure the framework reports to no callback
+    still drains the hooks)."""
+
+    _driver: Driver
+
+    @property
+    def bus(self) -> SyncHookBus | None:
+        """The bus events are published on (``None`` outside a run, with no bus given)."""
+        return self._driver.bus
+
+    def __enter__(self) -> SyncHookBus:
+        return self._driver.__enter__()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._driver.__exit__(*exc_info)

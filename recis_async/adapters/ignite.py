@@ -50,7 +50,7 @@ from ignite.engine import Engine, Events
 from ..hook import Hook
 from ..syncbus import SyncHookBus
 from ..trainer import batch_size
-from ._core import Driver
+from ._core import Adapter, Driver
 
 __all__ = ["IgniteAdapter", "attach"]
 
@@ -88,7 +88,7 @@ def attach(
     return adapter
 
 
-class IgniteAdapter:
+class IgniteAdapter(Adapter):
     """What :func:`attach` returns: the adapter of one training engine."""
 
     def __init__(
@@ -104,18 +104,6 @@ class IgniteAdapter:
         self._to_load: Mapping[str, Any] | None = None  # hook states waiting for STARTED
         self._handles: list[Any] = []
         self._eval_steps = 0
-
-    @property
-    def bus(self) -> SyncHookBus | None:
-        """The bus events are published on (``None`` outside a run, with no bus given)."""
-        return self._driver.bus
-
-    def __enter__(self) -> SyncHookBus:
-        """Open the bus now and close it when the block ends (a failure anywhere drains it)."""
-        return self._driver.__enter__()
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self._driver.__exit__(*exc_info)
 
     def _attach(self) -> None:
         engine = self.engine
@@ -220,7 +208,9 @@ class IgniteAdapter:
         self._driver.end_step(batch_size(evaluator.state.batch), loss, metrics)
 
     def _eval_completed(self, evaluator: Engine) -> None:
-        self._driver.after_eval(self.engine.state.iteration, self._eval_steps, evaluator.state.metrics)
+        self._driver.after_eval(
+            self.engine.state.iteration, self._eval_steps, evaluator.state.metrics
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -240,7 +230,6 @@ class IgniteAdapter:
             self._driver.load_hook_states(hooks, self.engine.state.iteration, "")
         else:
             self._to_load = hooks
-
 
 
 def _loss_and_metrics(output: Any) -> tuple[Any, dict[str, Any]]:

@@ -48,12 +48,12 @@ import torch
 from ..hook import Hook
 from ..syncbus import SyncHookBus
 from ..trainer import batch_size
-from ._core import Driver
+from ._core import Adapter, Driver
 
 __all__ = ["RecisCallback"]
 
 
-class RecisCallback(pl.Callback):
+class RecisCallback(Adapter, pl.Callback):
     """A Lightning callback publishing this library's events, so its hooks run in the job.
 
     Args:
@@ -89,17 +89,6 @@ class RecisCallback(pl.Callback):
         self._stage: str | None = None
         self._trainer: pl.Trainer | None = None  # of the stage under way (state_dict has none)
         self._ckpt_path = ""
-
-    @property
-    def bus(self) -> SyncHookBus | None:
-        """The bus events are published on (``None`` outside a run, with no bus given)."""
-        return self._driver.bus
-
-    def __enter__(self) -> SyncHookBus:
-        return self._driver.__enter__()
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self._driver.__exit__(*exc_info)
 
     # ------------------------------------------------------------------ run
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -157,9 +146,7 @@ class RecisCallback(pl.Callback):
         self._driver.after_epoch(trainer.current_epoch, _batches_done(trainer))
 
     # ------------------------------------------------------------------ validation
-    def on_validation_epoch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule
-    ) -> None:
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
             return
         self._eval_steps = 0

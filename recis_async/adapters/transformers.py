@@ -59,7 +59,7 @@ from .._files import atomic_path
 from ..hook import Hook
 from ..syncbus import SyncHookBus
 from ..trainer import batch_size
-from ._core import Driver, logger
+from ._core import Adapter, Driver, logger
 
 __all__ = ["HOOK_STATES_FILE", "RecisTrainerCallback"]
 
@@ -67,7 +67,7 @@ HOOK_STATES_FILE = "recis_async_hooks.pt"
 """The file in a ``Trainer`` checkpoint folder that holds the hooks' states."""
 
 
-class RecisTrainerCallback(transformers.TrainerCallback):
+class RecisTrainerCallback(Adapter, transformers.TrainerCallback):
     """A ``TrainerCallback`` publishing this library's events, so its hooks run in the job.
 
     Args:
@@ -107,17 +107,6 @@ class RecisTrainerCallback(transformers.TrainerCallback):
         self._pending = False  # on_step_end came; AfterStep waits for on_log
         self._state: transformers.TrainerState | None = None
         self._control: transformers.TrainerControl | None = None
-
-    @property
-    def bus(self) -> SyncHookBus | None:
-        """The bus events are published on (``None`` outside training, with no bus given)."""
-        return self._driver.bus
-
-    def __enter__(self) -> SyncHookBus:
-        return self._driver.__enter__()
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self._driver.__exit__(*exc_info)
 
     # ------------------------------------------------------------------ run
     def on_train_begin(
@@ -331,7 +320,9 @@ class RecisTrainerCallback(transformers.TrainerCallback):
         with atomic_path(final, final + ".tmp") as tmp:
             torch.save(states, tmp)
 
-    def _restore(self, args: transformers.TrainingArguments, state: transformers.TrainerState) -> None:
+    def _restore(
+        self, args: transformers.TrainingArguments, state: transformers.TrainerState
+    ) -> None:
         """The run resumed at ``state.global_step``: give the hooks the states saved in that
         checkpoint's folder."""
         folder = _checkpoint_folder(args, state.global_step)
@@ -344,7 +335,9 @@ class RecisTrainerCallback(transformers.TrainerCallback):
 
 
 def _checkpoint_folder(args: transformers.TrainingArguments, step: int) -> str:
-    return os.path.join(str(args.output_dir), f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{step}")
+    return os.path.join(
+        str(args.output_dir), f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{step}"
+    )
 
 
 def _optimizers(kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -355,4 +348,3 @@ def _optimizers(kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
 def _whole(epoch: float | None) -> int:
     """The ``Trainer``'s fractional epoch as the epoch under way."""
     return int((epoch or 0.0) + 1e-6)
-
