@@ -18,8 +18,9 @@ and ``Start`` waits for that open, so its cost lands before the first step.
 Bounds: rows wait in memory at most ``max_age`` seconds (30 by default) or ``size_threshold``
 bytes before they are sealed and handed over, so a ``kill -9`` loses at most that much plus the
 ``worker_num + 1`` batches pending; a ``publish`` waits for room at most ``send_timeout``
-seconds (then the batch is spilled); rows that can be neither written nor spilled are reported
-on the next step that reaches the hook, and at close.
+seconds (then the batch is spilled), and not past a stop request (then the batch is kept for
+the close to deliver: at most ``worker_num + 1`` more batches in memory); rows that can be
+neither written nor spilled are reported on the next step that reaches the hook, and at close.
 """
 
 from __future__ import annotations
@@ -80,8 +81,9 @@ class TraceHook(Hook):
             several places tried in order -- name one on another disk than a Parquet root; the
             system temp dir is tried last.
         send_timeout: the longest a ``publish`` waits for room while ``worker_num + 1``
-            batches are pending (default 60 s); then, or at once after a stop request, the
-            batch is spilled instead.
+            batches are pending (default 60 s); then the batch is spilled instead.  After a
+            stop request it does not wait: the batch is kept for the close to deliver within
+            the bus's ``flush_timeout`` (spilled if the sink cannot take it by then).
         steps: which steps are traced: ``"all"`` (as RecIS, whose ``evaluate()`` calls
             ``after_step`` too), ``"train"`` or ``"eval"`` (e.g. one hook per table).
 

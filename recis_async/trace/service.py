@@ -18,11 +18,14 @@ was already committing is waited for (up to ``commit_wait`` seconds) so its outc
 before the batch is retried or spilled.
 
 Nothing here waits forever or dies silently.  A ``send`` that finds no room waits at most
-``send_timeout`` seconds, and not past a stop request: then the batch is spilled instead.  A
-spill goes to the first of the spill directories that takes it, then to the system temp
-dir; if none does (a full or read-only disk), the batch's rows are *lost*, counted, and
-reported by :meth:`TraceWriter.raise_if_lost` (the hook calls it on the next step) and at
-close, naming the steps and each place's error.  The writer keeps running either way.
+``send_timeout`` seconds (then the batch is spilled instead), and not past a stop request:
+then the batch is kept for close, which delivers it within the bus's ``flush_timeout`` like
+everything else pending (a stop says nothing about the sink: spilling there turned a Ctrl-C
+that met a slow disk into a replay owed).  A spill goes to the first of the spill directories
+that takes it, then to the system temp dir; if none does (a full or read-only disk), the
+batch's rows are *lost*, counted, and reported by :meth:`TraceWriter.raise_if_lost` (the hook
+calls it on the next step) and at close, naming the steps and each place's error.  The writer
+keeps running either way.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import os
 import random
 import tempfile
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,8 +206,10 @@ class TraceWriter:
         spill_dir: where undeliverable batches go (default ``./trace_spill``), or several
             places tried in order (put one on another disk: a full disk fails the sink and a
             spill folder beside it alike); the system temp dir is tried last.
-        send_timeout: the longest a ``send`` waits for room, in seconds; then (or at once
-            when ``stop_requested()`` turns true) the batch is spilled instead.
+        send_timeout: the longest a ``send`` waits for room, in seconds; then the batch is
+            spilled instead.  Once a stop is requested (:meth:`watch_stop`) it waits no more:
+            the batch is kept for close to deliver (at most ``worker_num + 1`` so; a further
+            one is spilled at once).
         source: the upstream buffer; sealed at close (and by the ``max_age`` timer once its
             oldest row is that many seconds old) and reported in :meth:`stats`.
         max_age: seconds after which ``source`` is sealed even below its threshold.
@@ -273,6 +279,7 @@ class TraceWriter:
         self._opened = False
         self._open_tried = anyio.Event()  # the open at bus start ended, either way
         self._pending: dict[int, Batch] = {}  # id -> batch: handed over, not yet settled
+        self._kept: deque[Batch] = deque()  # found no room after a stop: queued later, or by close
         self._held: dict[int, SpillEntry] = {}  # id -> batch put aside, with its doubt
         self._spills: list[_Spilled] = []  # in order; lost ones have no path
         self._lost_reported = 0  # how many lost records raise_if_lost reported already
@@ -313,15 +320,18 @@ class TraceWriter:
     async def send(self, batch: Batch | None) -> None:
         """Queue a sealed batch; waits only while ``worker_num + 1`` batches are pending.
 
-        The wait ends after ``send_timeout`` seconds, or as soon as a stop was requested, or
-        when the workers are gone: the batch is then spilled (a warning names why).  If the
-        wait is cancelled the batch is kept for close to deliver.
+        The wait ends after ``send_timeout`` seconds, or when the workers are gone: the batch
+        is then spilled (a warning names why).  It ends as soon as a stop was requested, or is
+        cancelled: the batch is then kept for close to deliver (within the bus's
+        ``flush_timeout``, spilled if it cannot be).
         """
         if batch is None:
             return
         if self._closing:
             raise RuntimeError(f"{self.name}: send() after close started")
         self._pending[id(batch)] = batch
+        while self._kept and self._offer(self._kept[0]):  # kept at a stop: they go first
+            self._kept.popleft()
         if self._offer(batch):
             # let a worker start on it now: the bus itself yields only every ~100 ms
             await yield_to_services()
@@ -357,14 +367,15 @@ class TraceWriter:
         return True
 
     async def _wait_for_room(self, batch: Batch) -> str | None:
-        """Wait until ``batch`` is queued (None) or say why it will not be."""
+        """Wait until ``batch`` is queued or kept for close (None), or say why it will be
+        spilled instead."""
         give_up = anyio.current_time() + self._send_timeout
         while True:
             if self._finished.is_set():
                 return f"the writer's workers have stopped (last error: {self._last_error})"
             stopping = None if self._stopping is None else self._stopping()
             if stopping is not None and stopping.is_set():
-                return "a stop was requested while the sink had no room (it is stalled)"
+                return self._keep_for_close(batch)
             left = give_up - anyio.current_time()
             if left <= 0:
                 return (
@@ -379,15 +390,39 @@ class TraceWriter:
             if self._offer(batch):
                 return None
 
+    def _keep_for_close(self, batch: Batch) -> str | None:
+        """A stop was requested and ``batch`` found no room: keep it (still pending) for the
+        next ``send`` or for close to deliver, so the step need not wait for the sink; None.
+        Past ``worker_num + 1`` batches kept so (a loop running on after its stop request),
+        why it is spilled instead: memory stays bounded."""
+        if len(self._kept) > self.worker_num:
+            return (
+                f"a stop was requested and {len(self._kept)} batch(es) already wait for the "
+                f"close to deliver them (the sink is not keeping up; last error: "
+                f"{self._last_error})"
+            )
+        self._kept.append(batch)
+        logger.info(
+            "%s: batch %d (%d rows%s) kept for the close to deliver: a stop was requested "
+            "while %d batch(es) were pending",
+            self.name,
+            batch.seq,
+            batch.rows,
+            _steps_text(batch.steps),
+            len(self._pending) - 1,
+        )
+        return None
+
     @property
     def spill_dir(self) -> Path:
         """Where batches that cannot be delivered are kept (the first place tried)."""
         return self._spill_dir
 
     def watch_stop(self, stopping: Callable[[], anyio.Event]) -> None:
-        """Make a ``send`` waiting for room give up as soon as the event ``stopping()``
-        returns is set (the hook passes its bus's :attr:`~recis_async.HookBus.stopping`; a
-        callable, as the bus makes its event only when entered)."""
+        """Make a ``send`` waiting for room stop waiting, and keep its batch for close, as
+        soon as the event ``stopping()`` returns is set (the hook passes its bus's
+        :attr:`~recis_async.HookBus.stopping`; a callable, as the bus makes its event only
+        when entered)."""
         self._stopping = stopping
 
     @property

@@ -124,28 +124,18 @@ def test_a_given_bus_is_left_open_for_its_owner(tmp_path: Path) -> None:
     ps.check_delivered(tmp_path, published.steps)
 
 
-@pytest.mark.parametrize(
-    "framework",
-    [
-        pytest.param(
-            f,
-            marks=pytest.mark.xfail(
-                reason="open: once in 3 full runs on a loaded machine, Ignite's Ctrl-C run "
-                "delivered the rows of 8 of 12 published steps (none spilled); not yet "
-                "explained, see the session-9 note",
-                strict=False,
-            ),
-        )
-        if f == "ignite"
-        else f
-        for f in ps.FRAMEWORKS
-    ],
-)
+@pytest.mark.parametrize("framework", ps.FRAMEWORKS)
 def test_ctrl_c_in_a_terminal_ends_the_job_with_its_rows_delivered(
     framework: str, tmp_path: Path
 ) -> None:
+    """One Ctrl-C: the job stops at the next step boundary and every row of every step the
+    hooks were handed is in Parquet once, nothing spilled.  The disk is made slower than the
+    steps (50 ms a write), as on a loaded machine: the batch sealed by the step after the
+    Ctrl-C then finds the writer's queue full, and was spilled (steps 8-11 of Ignite's run,
+    found once in three full runs before the disk was slowed here)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    with Terminal([sys.executable, str(SCRIPT), framework, str(tmp_path)], env=env) as term:
+    argv = [sys.executable, str(SCRIPT), framework, str(tmp_path), "0.05"]
+    with Terminal(argv, env=env) as term:
         term.expect(b"ready", timeout=240)
         term.press(b"\x03")
         rc = term.wait(timeout=240)

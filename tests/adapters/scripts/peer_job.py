@@ -1,10 +1,11 @@
 """A framework's job with this library's hooks through its adapter, run until stopped.
 
-    python peer_job.py lightning|transformers|ignite OUT_DIR
+    python peer_job.py lightning|transformers|ignite OUT_DIR [WRITE_DELAY_S]
 
 The hooks of ``peers_support.job_hooks`` (trace to Parquet, tracker, logger, NaN check) on a
 long single-epoch job; prints ``ready`` after 10 steps.  The interrupt test presses Ctrl-C in
-its terminal and then counts what the hooks delivered.
+its terminal and then counts what the hooks delivered.  ``WRITE_DELAY_S``: each Parquet write
+takes that much longer (``peers_support.SlowDisk``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ class Ready(Hook):
 
 def main() -> None:
     framework, out = sys.argv[1], Path(sys.argv[2])
-    hooks, _, _ = ps.job_hooks(out, Ready())
+    delay = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
+    hooks, _, _ = ps.job_hooks(out, Ready(), write_delay=delay)
     ps.run_job(framework, out, hooks, rows=ps.ROWS * 200_000)
     print("finished without a stop", flush=True)
 
