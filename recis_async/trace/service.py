@@ -272,6 +272,7 @@ class TraceWriter:
         self._sink_closed = False
         self._opened = False
         self._open_tried = anyio.Event()  # the open at bus start ended, either way
+        self._bound = False  # the events and lock above were made again in the bus's loop
         self._pending: dict[int, Batch] = {}  # id -> batch: handed over, not yet settled
         self._held: dict[int, SpillEntry] = {}  # id -> batch put aside, with its doubt
         self._spills: list[_Spilled] = []  # in order; lost ones have no path
@@ -317,6 +318,7 @@ class TraceWriter:
         when the workers are gone: the batch is then spilled (a warning names why).  If the
         wait is cancelled the batch is kept for close to deliver.
         """
+        self._bind()
         if batch is None:
             return
         if self._closing:
@@ -390,6 +392,24 @@ class TraceWriter:
         callable, as the bus makes its event only when entered)."""
         self._stopping = stopping
 
+    def _bind(self) -> None:
+        """Make the writer's events and lock again, once, in the loop that runs the writer.
+
+        The constructor runs in the caller's context, where another event loop may be running
+        (a notebook's, or an async caller's around a :class:`~recis_async.SyncHookBus` on the
+        other library); an anyio ``Event`` or ``Lock`` made there belongs to that loop.  The
+        first ones were never waited on nor set: that happens only in the coroutines of the
+        writer, and each of them (``run``, ``send``, ``wait_open``, ``aclose``) calls this
+        first."""
+        if self._bound:
+            return
+        self._bound = True
+        self._room = anyio.Event()
+        self._running = anyio.Event()
+        self._finished = anyio.Event()
+        self._open_lock = anyio.Lock()
+        self._open_tried = anyio.Event()
+
     @property
     def used(self) -> bool:
         """Whether a bus ran this writer already (a writer serves one bus)."""
@@ -443,6 +463,7 @@ class TraceWriter:
     # ------------------------------------------------------------------ service
     async def run(self) -> None:
         """Run the workers (and the ``max_age`` timer) until close has drained the stream."""
+        self._bind()
         self._running.set()
         try:
             async with anyio.create_task_group() as outer:
@@ -603,6 +624,7 @@ class TraceWriter:
         """Wait until the sink's open at bus start has ended; return whether the sink is open
         (a failure was logged and is retried by the first batch).  Without a ``source``
         nothing is opened early: returns at once."""
+        self._bind()
         if self._source is not None and not self._closing:
             await self._open_tried.wait()
         return self._opened
@@ -687,6 +709,7 @@ class TraceWriter:
     async def aclose(self, deadline: float) -> None:
         """Seal what is buffered upstream, deliver everything pending by ``deadline``, spill
         the rest, close the sink; raise :class:`TraceDeliveryError` if anything was spilled."""
+        self._bind()
         try:
             await self._drain(deadline)
         finally:
