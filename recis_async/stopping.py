@@ -9,6 +9,7 @@ spill what they still hold.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -179,13 +180,25 @@ def _as_if_never_opened(signum: int, frame: FrameType | None, before: Any) -> No
 
 
 def end_status(exc: BaseException | None, signum: int | None) -> EndStatus:
-    """``End.status`` for a body that ended with ``exc`` after the stop signal ``signum``."""
-    cancelled = isinstance(exc, anyio.get_cancelled_exc_class())
+    """``End.status`` for a body that ended with ``exc`` after the stop signal ``signum``.
+
+    A cancellation is this loop's or another's: a :class:`~recis_async.SyncHookBus`'s body
+    runs in its caller's event loop (a notebook's, an async caller's), whose cancellation may
+    be the other library's (``asyncio.CancelledError`` on a trio bus, say)."""
+    cancelled = isinstance(exc, _cancellations())
     if signum is not None and (exc is None or cancelled):
         return "preempted"
     if exc is None:
         return "ok"
     return "cancelled" if cancelled else "failed"
+
+
+def _cancellations() -> tuple[type[BaseException], ...]:
+    """The cancellation exceptions of the event loops that may run here."""
+    trio = sys.modules.get("trio")
+    if trio is None:
+        return (asyncio.CancelledError,)
+    return (asyncio.CancelledError, trio.Cancelled)
 
 
 def preempted_exit(

@@ -295,6 +295,7 @@ class SyncHookBus:
         publish = bus._publish  # always awaited here: publish()'s never-awaited check is moot
         set_loop = _set_running_loop
         exc: BaseException | None = None
+        from_caller = False  # exc: the caller's, raised in its block (not in this loop)
         try:
             if swap:
                 set_loop(outside)
@@ -315,7 +316,7 @@ class SyncHookBus:
                     else:
                         reply = _Result(result)
                 elif kind is _Exit:
-                    exc = request.exc
+                    exc, from_caller = request.exc, True
                     break
                 else:  # an event (publish checks it is one)
                     try:
@@ -345,7 +346,9 @@ class SyncHookBus:
             )
         except BaseException as error:
             return _Closed(error, False, exc)
-        return _Closed(None, bool(swallowed), exc)
+        # HookBus swallows its own cancellation only; the caller's (its event loop's, which is
+        # this loop's kind in a notebook) propagates to the caller's loop.
+        return _Closed(None, bool(swallowed) and not from_caller, exc)
 
     def _to_loop(self, request: Any) -> Any:
         """Switch into the loop's greenlet with ``request``; its reply."""

@@ -345,6 +345,34 @@ def test_inside_an_async_caller_too(outer: str, inner: str) -> None:
     assert log == [("BeforeStep", 0), ("AfterStep", 0, {"loss": 1.0}), ("End", "ok")]
 
 
+@pytest.mark.parametrize(
+    ("outer", "inner"), [("asyncio", "asyncio"), ("asyncio", "trio"), ("trio", "asyncio")]
+)
+def test_the_async_callers_cancellation_propagates_and_ends_the_run_cancelled(
+    outer: str, inner: str
+) -> None:
+    """The caller's loop cancels the code around the block: the bus ends with
+    ``End(status="cancelled")`` (no ``Error``), as a HookBus's body cancelled, whichever
+    library's cancellation it is, and the cancellation goes on to the caller's scope (on
+    asyncio in asyncio it was swallowed: the bus took it for its own)."""
+
+    async def caller() -> tuple[list[Any], bool, bool]:
+        log: list[Any] = []
+        left_normally = False
+        with anyio.CancelScope() as scope:
+            with SyncHookBus(backend=inner, handle_signals=False) as bus:
+                bus.add_hook(Recorder(log))
+                bus.publish(BeforeStep(global_step=0))
+                scope.cancel()
+                await anyio.sleep(10)
+            left_normally = True
+        return log, left_normally, scope.cancelled_caught
+
+    log, left_normally, caught = anyio.run(caller, backend=outer)
+    assert log == [("BeforeStep", 0), ("End", "cancelled")]
+    assert not left_normally and caught
+
+
 def test_without_signal_handling_ctrl_c_is_a_plain_keyboard_interrupt(backend: str) -> None:
     """handle_signals=False: a SIGINT raises KeyboardInterrupt where the code is, as in any
     Python program (not a cancellation of the bus's loop seen at a later publish)."""

@@ -278,6 +278,7 @@ class TraceWriter:
         self._sink_closed = False
         self._opened = False
         self._open_tried = anyio.Event()  # the open at bus start ended, either way
+        self._bound = False  # the events and lock above were made again in the bus's loop
         self._pending: dict[int, Batch] = {}  # id -> batch: handed over, not yet settled
         self._kept: deque[Batch] = deque()  # found no room after a stop: queued later, or by close
         self._held: dict[int, SpillEntry] = {}  # id -> batch put aside, with its doubt
@@ -325,6 +326,7 @@ class TraceWriter:
         cancelled: the batch is then kept for close to deliver (within the bus's
         ``flush_timeout``, spilled if it cannot be).
         """
+        self._bind()
         if batch is None:
             return
         if self._closing:
@@ -425,6 +427,24 @@ class TraceWriter:
         when entered)."""
         self._stopping = stopping
 
+    def _bind(self) -> None:
+        """Make the writer's events and lock again, once, in the loop that runs the writer.
+
+        The constructor runs in the caller's context, where another event loop may be running
+        (a notebook's, or an async caller's around a :class:`~recis_async.SyncHookBus` on the
+        other library); an anyio ``Event`` or ``Lock`` made there belongs to that loop.  The
+        first ones were never waited on nor set: that happens only in the coroutines of the
+        writer, and each of them (``run``, ``send``, ``wait_open``, ``aclose``) calls this
+        first."""
+        if self._bound:
+            return
+        self._bound = True
+        self._room = anyio.Event()
+        self._running = anyio.Event()
+        self._finished = anyio.Event()
+        self._open_lock = anyio.Lock()
+        self._open_tried = anyio.Event()
+
     @property
     def used(self) -> bool:
         """Whether a bus ran this writer already (a writer serves one bus)."""
@@ -478,6 +498,7 @@ class TraceWriter:
     # ------------------------------------------------------------------ service
     async def run(self) -> None:
         """Run the workers (and the ``max_age`` timer) until close has drained the stream."""
+        self._bind()
         self._running.set()
         try:
             async with anyio.create_task_group() as outer:
@@ -638,6 +659,7 @@ class TraceWriter:
         """Wait until the sink's open at bus start has ended; return whether the sink is open
         (a failure was logged and is retried by the first batch).  Without a ``source``
         nothing is opened early: returns at once."""
+        self._bind()
         if self._source is not None and not self._closing:
             await self._open_tried.wait()
         return self._opened
@@ -722,6 +744,7 @@ class TraceWriter:
     async def aclose(self, deadline: float) -> None:
         """Seal what is buffered upstream, deliver everything pending by ``deadline``, spill
         the rest, close the sink; raise :class:`TraceDeliveryError` if anything was spilled."""
+        self._bind()
         try:
             await self._drain(deadline)
         finally:

@@ -19,9 +19,10 @@ from recis_async.hooks import (
     latest_checkpoint_step,
 )
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("either_bus")]
 
 
+@pytest.mark.async_bus_only  # the chief is a task that runs while the publish waits
 async def test_waiter_holds_the_first_step_without_blocking_the_loop() -> None:
     shared = {"step": 0}
     ticks: list[int] = []
@@ -51,6 +52,7 @@ async def test_waiter_holds_the_first_step_without_blocking_the_loop() -> None:
     assert rec.steps == [0, 1, 2]  # only the first step waited; every step ran
 
 
+@pytest.mark.async_bus_only  # the trainer is a task that writes while the publish waits
 async def test_waiter_on_a_trainers_checkpoints(tmp_path: Path) -> None:
     """An evaluator waits for a trainer's checkpoint of step >= 3, with an async source too."""
 
@@ -73,7 +75,7 @@ async def test_waiter_on_a_trainers_checkpoints(tmp_path: Path) -> None:
             assert latest_checkpoint_step(tmp_path) == 3
 
 
-async def test_waiter_timeout_and_stop_request() -> None:
+async def test_waiter_timeout() -> None:
     with pytest.raises(HookError) as info:
         async with HookBus() as bus:
             bus.add_hook(GlobalStepWaiterHook(10, lambda: 3, poll_interval=0.01, timeout=0.05))
@@ -82,6 +84,9 @@ async def test_waiter_timeout_and_stop_request() -> None:
     assert "the step source reported 3" in str(info.value)
     assert "expected >= 10 within timeout=0.05s" in str(info.value)
 
+
+@pytest.mark.async_bus_only  # the stop is requested by a task that runs while the publish waits
+async def test_waiter_stop_request() -> None:
     async with HookBus() as bus:
         bus.add_hook(GlobalStepWaiterHook(10, lambda: None, poll_interval=0.01))
 

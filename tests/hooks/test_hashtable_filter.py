@@ -17,7 +17,7 @@ from recis_async.events import AfterStep, BeforeStep
 from recis_async.hooks import HashTableFilterHook
 from recis_async.nn import DynamicEmbedding, EmbeddingOption, EvictionPlan, FilterHook, HashTable
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("either_bus")]
 
 
 def table(n: int, name: str = "user") -> HashTable:
@@ -32,6 +32,7 @@ async def train_step(bus: HookBus, hook: HashTableFilterHook, step: int, *lookup
     await hook.wait_idle()
 
 
+@pytest.mark.async_bus_only  # awaits the hook's own coroutine (wait_idle) from the test
 async def test_evicts_at_the_interval_with_the_exact_rule(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="recis_async.hooks.hashtable_filter")
     t = table(2)
@@ -62,6 +63,7 @@ async def test_evicts_at_the_interval_with_the_exact_rule(caplog: pytest.LogCapt
     ]
 
 
+@pytest.mark.async_bus_only  # awaits the hook's own coroutine (wait_idle) from the test
 async def test_quiet_at_info_when_nothing_is_evicted(caplog: pytest.LogCaptureFixture) -> None:
     """Evictions that remove nothing, per-table counts and skipped requests are DEBUG only:
     at INFO a run that evicts nothing shows one summary line, whatever its length."""
@@ -88,6 +90,7 @@ async def test_quiet_at_info_when_nothing_is_evicted(caplog: pytest.LogCaptureFi
     assert any("skipped, the previous one is still running" in m for m in debug)
 
 
+@pytest.mark.async_bus_only  # awaits the hook's own coroutine (wait_idle) from the test
 async def test_eval_steps_neither_advance_nor_evict() -> None:
     t = table(1)
     hook = HashTableFilterHook(1, tables=[t])
@@ -111,6 +114,7 @@ async def test_eval_steps_neither_advance_nor_evict() -> None:
     assert stats["evictions"] == 2 and stats["evicted"] == 1
 
 
+@pytest.mark.async_bus_only  # awaits the hook's own coroutine (wait_idle) from the test
 async def test_tables_from_a_model_and_per_table_counts() -> None:
     class Model(nn.Module):
         def __init__(self) -> None:
@@ -164,6 +168,7 @@ class GatedTable(HashTable):
         return super().scan_eviction(now)
 
 
+@pytest.mark.async_bus_only  # awaits the eviction's scan, then wait_idle, between publishes
 async def test_a_request_while_one_waits_is_skipped_and_the_step_is_not_held() -> None:
     t = GatedTable()
     hook = HashTableFilterHook(1, tables=[t])
@@ -187,6 +192,7 @@ async def test_a_request_while_one_waits_is_skipped_and_the_step_is_not_held() -
     assert t.ids().tolist() == [2, 3]
 
 
+@pytest.mark.async_bus_only  # awaits wait_idle, then the eviction's scan, between publishes
 async def test_close_finishes_the_running_eviction() -> None:
     t = GatedTable()
     hook = HashTableFilterHook(1, tables=[t])
@@ -201,6 +207,7 @@ async def test_close_finishes_the_running_eviction() -> None:
     assert t.ids_count() == 0
 
 
+@pytest.mark.async_bus_only  # the async Trainer takes a HookBus (Trainer(bus=...))
 async def test_trainer_run_filters_its_model() -> None:
     torch.manual_seed(0)
 
@@ -276,6 +283,7 @@ def test_configuration_errors_fail_early() -> None:
     assert HashTableFilterHook(5, tables=[table(1)], name="items").state_key == "items"
 
 
+@pytest.mark.async_bus_only  # awaits the hook's own coroutine (wait_idle) from the test
 async def test_state_dict_keeps_the_anchor() -> None:
     t = table(0)
     hook = HashTableFilterHook(5, tables=[t])

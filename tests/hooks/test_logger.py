@@ -12,6 +12,8 @@ from recis_async import HookBus, add_metric
 from recis_async.events import AfterStep, BeforeStep
 from recis_async.hooks import LoggerHook
 
+pytestmark = pytest.mark.usefixtures("either_bus")
+
 _FIELD = re.compile(r"<([\w/.]+)=([^>]*)>")
 
 

@@ -28,7 +28,7 @@ from recis_async.trackers import (
     read_records,
 )
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("either_bus")]
 
 mlflow = pytest.importorskip("mlflow")
 from mlflow import MlflowClient  # noqa: E402
@@ -231,6 +231,7 @@ async def _until_first_error(bus: HookBus, hook: MLTrackerHook) -> None:
             await anyio.sleep(0.001)
 
 
+@pytest.mark.async_bus_only  # awaits the service's first failure between publishes
 @pytest.mark.parametrize("mode", ["log", "disable"])
 async def test_tracker_failure_log_or_disable(
     tmp_path: Path, mode: str, caplog: pytest.LogCaptureFixture
@@ -283,6 +284,7 @@ async def test_log_metrics_for_other_hooks(tmp_path: Path) -> None:
     assert not hook.accepting
 
 
+@pytest.mark.async_bus_only  # the gate is opened by a task that runs while a publish waits
 async def test_backpressure_bounds_the_buffer(tmp_path: Path) -> None:
     gate = threading.Event()
 
@@ -368,6 +370,7 @@ def test_run_spec_from_hook(tmp_path: Path) -> None:
     assert RunSpec(project="p", name="n", run_id="x", params=hook.params).run_id == "x"
 
 
+@pytest.mark.async_bus_only  # awaits the service's first failure between publishes
 async def test_disable_takes_effect_before_the_failed_batch_is_spilled(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -393,6 +396,7 @@ async def test_disable_takes_effect_before_the_failed_batch_is_spilled(
     assert hook.service.stats()["dropped"] == 10
 
 
+@pytest.mark.async_bus_only  # awaits each step's flush between publishes
 async def test_a_tracker_failing_every_flush_logs_three_tracebacks_then_counts(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

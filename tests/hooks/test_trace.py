@@ -26,6 +26,8 @@ from recis_async.hooks import TraceHook, TraceToOdpsHook
 from recis_async.sinks import OdpsSink, ParquetSink
 from recis_async.spill import read_spill, replay_spill
 
+pytestmark = pytest.mark.usefixtures("either_bus")
+
 FIELDS = ["id", "emb"]
 TYPES = ["bigint", "array<float>"]
 ROWS = 32  # per step; one step holds 32 * 8 + 32 * 8 * 4 = 1280 bytes (raw arrays, no offsets)
@@ -157,6 +159,7 @@ async def test_steps_without_trace_write_nothing(tmp_path: Path) -> None:
     assert hook.writer.stats()["batches"] == 0
 
 
+@pytest.mark.async_bus_only  # awaits the max_age timer's seal between publishes
 @pytest.mark.anyio
 async def test_max_age_seals_a_small_buffer_while_training_idles(tmp_path: Path) -> None:
     async with HookBus() as bus:
@@ -295,6 +298,7 @@ async def test_transient_odps_faults_are_retried_and_deliver_exactly_once(
     assert sum("fault lost response commit" in line for line in server.log_lines) == 2
 
 
+@pytest.mark.async_bus_only  # awaits the sink's open between publishes
 @pytest.mark.anyio
 async def test_the_sink_opens_when_the_bus_starts(server: OdpsServer, tmp_path: Path) -> None:
     hook = odps_hook(server, tmp_path)
@@ -343,6 +347,7 @@ async def test_start_after_a_failed_open_returns_and_the_first_batch_retries(
     assert odps_ids(server) == list(range(4 * ROWS))
 
 
+@pytest.mark.async_bus_only  # awaits the sink's open between publishes
 @pytest.mark.anyio
 async def test_a_sealed_batch_is_being_written_when_its_step_ends(tmp_path: Path) -> None:
     """The hand-over itself takes a sealed batch as far as the writer's thread: the bus
@@ -366,6 +371,7 @@ async def test_a_sealed_batch_is_being_written_when_its_step_ends(tmp_path: Path
         assert parquet_ids(tmp_path) == list(range(ROWS)), "the write had not started"
 
 
+@pytest.mark.async_bus_only  # awaits the open's failure between publishes
 @pytest.mark.anyio
 async def test_an_early_open_that_fails_is_logged_and_retried_by_the_first_batch(
     server: OdpsServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -534,6 +540,7 @@ def test_sigterm_stops_at_a_step_boundary_and_keeps_every_row(tmp_path: Path, ba
     assert parquet_ids(tmp_path) == list(range(steps * 64))
 
 
+@pytest.mark.async_bus_only  # awaits the writer's own aclose from the test
 @pytest.mark.anyio
 async def test_a_cancelled_close_waits_for_a_commit_under_way_then_spills_nothing_twice(
     server: OdpsServer, tmp_path: Path
