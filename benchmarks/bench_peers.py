@@ -36,7 +36,7 @@ disturbs least; step p50 / p99 in ms;
 process wall time and import time in s (start to the end of the imports the path needs);
 peak RSS in MB.
 
-    python benchmarks/bench_peers.py [--reps 6] [--steps 1500] [--only plain,trainer,...]
+    python benchmarks/bench_peers.py [--reps 6] [--steps 1500] [--only trainer,own,...]
     python benchmarks/bench_peers.py --quick          # every config once, a few steps
 """
 
@@ -76,6 +76,9 @@ CONFIGS = (
     "ignite",
     "ignite+adapter",
 )
+
+#: ``--only`` names standing for several configs
+ALIASES = {"own": ["async-loop", "sync-loop"]}
 
 
 # --------------------------------------------------------------------------- the child
@@ -491,7 +494,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=6, help="repetitions of every config")
     parser.add_argument("--steps", type=int, default=1500, help="training steps a run")
     parser.add_argument("--hidden", type=int, default=256, help="the MLP's hidden width")
-    parser.add_argument("--only", help="comma-separated configs (plain is always run)")
+    parser.add_argument(
+        "--only",
+        help="comma-separated configs; 'own' is async-loop,sync-loop (plain and plain-again, "
+        "the A/A row, are always run)",
+    )
     parser.add_argument("--quick", action="store_true", help="every config once, 120 steps (a smoke test)")
     parser.add_argument("--json", help="also write every run's figures to this file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -502,7 +509,11 @@ def main() -> None:
         return
     if args.quick:
         args.reps, args.steps = 1, 120
-    configs = list(CONFIGS) if not args.only else ["plain", *[c for c in args.only.split(",") if c != "plain"]]
+    configs = list(CONFIGS)
+    if args.only:  # plain and plain-again (the A/A row: the resolution) are always run
+        asked = [c for n in args.only.split(",") for c in ALIASES.get(n.strip(), [n.strip()])]
+        configs = ["plain", "plain-again"]
+        configs += [c for c in dict.fromkeys(asked) if c not in configs]
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         parser.error(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
