@@ -61,6 +61,18 @@ registered in ``SECTIONS``:
 
     python benchmarks/bench_hooks.py --only optim [--rounds 4] [--seconds 1.5]
 
+``copy-out``
+    What copying traced and tracked tensors out of the bus's host buffers costs the step, by
+    where it happens: on the step (``HostBufferPool(copy_out_interval=None)``: each step
+    resolves the copies of the step before), by the copy-out thread every
+    ``DEFAULT_COPY_OUT_INTERVAL`` seconds in a batch (the default), and by the thread woken
+    every step (``copy_out_interval=0``).  The MLP of ``tracker`` (batch 256) steps between
+    the copies; per step the loss and ``--metrics`` - 1 (default 3) columns of 512 ids are
+    copied.  Printed: the step thread's CPU in ``copy`` + ``next_step``, and the process's
+    other threads' CPU, per step (medians over ``--rounds`` alternated runs).
+
+    python benchmarks/bench_hooks.py --only copy-out [--rounds 6]
+
 ``breakdown``
     Where the step's CPU goes, per hook and per collector call, for the held-out job of
     ``bench_peers.py`` (its MLP, batches and hook set: the loss logged every 50 steps, a
@@ -1169,12 +1181,72 @@ def section_breakdown(args: argparse.Namespace) -> bool:
     return True
 
 
+# --------------------------------------------------------------------------- copy-out
+
+
+def section_copy_out(args: argparse.Namespace) -> bool:
+    """Where host copies are copied out: on the step, or by the copy-out thread (batched, or
+    woken every step), after a real MLP step (see the module doc)."""
+    from recis_async.hostcopy import DEFAULT_COPY_OUT_INTERVAL, HostBufferPool
+
+    torch.set_num_threads(1)
+    work = Workload(batch=args.batch or 256, width=args.width)
+    columns = args.metrics or 4
+    variants = {
+        "on the step (copy_out_interval=None)": None,
+        f"copy-out thread, every {DEFAULT_COPY_OUT_INTERVAL} s (the default)": (
+            DEFAULT_COPY_OUT_INTERVAL
+        ),
+        "copy-out thread, every step (copy_out_interval=0)": 0.0,
+    }
+    steps = 400
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
+    ids = torch.arange(512)
+    for r in range(args.rounds):
+        names = list(variants)
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            pool = HostBufferPool(copy_out_interval=variants[name])
+            spent = 0
+            t0, p0 = time.thread_time_ns(), time.process_time_ns()
+            for _ in range(steps):
+                loss = work.step()
+                t = time.thread_time_ns()
+                pool.copy(loss)
+                for _ in range(columns - 1):
+                    pool.copy(ids)
+                pool.next_step()
+                spent += time.thread_time_ns() - t
+            thread = time.thread_time_ns() - t0
+            other = time.process_time_ns() - p0 - thread
+            pool.close()
+            if pool._thread is not None:
+                pool._thread.join(10)
+            results[name].append((spent / steps / 1e3, other / steps / 1e3))
+    load = os.getloadavg()[0]
+    print(
+        f"\n[copy-out] MLP 64-{args.width}-{args.width}-1, batch {work.batch}, 1 torch thread; "
+        f"per step the loss and {columns - 1} columns of 512 int64 copied, {steps} steps a "
+        f"run, {args.rounds} rounds alternated; {os.cpu_count()} CPUs, load average "
+        f"{load:.2f} at start; us of thread CPU per step, medians (range)"
+    )
+    print(f"{'where':55} {'step thread: copy + next_step':>30} {'other threads':>16}")
+    for name, rs in results.items():
+        step_us = [x[0] for x in rs]
+        other_us = [x[1] for x in rs]
+        print(
+            f"{name:55} {statistics.median(step_us):12.1f} ({min(step_us):.1f}-{max(step_us):.1f})"
+            f"{'':5} {statistics.median(other_us):8.1f} ({min(other_us):.1f}-{max(other_us):.1f})"
+        )
+    return True
+
+
 SECTIONS: dict[str, Section] = {
     "tracker": section_tracker,
     "tracker-job": section_tracker_job,
     "monitors": section_monitors,
     "optim": section_optim,
     "breakdown": section_breakdown,
+    "copy-out": section_copy_out,
 }
 
 

@@ -208,6 +208,7 @@ class HookBus:
         errors.extend(self._failures)
         self._failures.clear()
         self._collector.open = False
+        self._collector.host.close()  # the copy-out thread ends once it has copied out
         self._state = "closed"
         return errors
 

@@ -58,7 +58,7 @@ class StepCollector:
 
     def take(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
         """Hand over the step's metrics, trace, tracked values and reductions; start empty.
-        The host copies of earlier steps that are ready are resolved now (see
+        The host copies of earlier steps go to the copy-out thread (see
         :meth:`~recis_async.hostcopy.HostBufferPool.next_step`)."""
         taken = (self.metrics, self.trace, self.tracked, self.reduce)
         self.metrics, self.trace, self.tracked, self.reduce = {}, {}, {}, {}
