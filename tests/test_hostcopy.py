@@ -136,7 +136,8 @@ def test_the_copy_out_thread_resolves_the_copies_of_finished_steps_off_the_step(
     assert stats["copied_out_off_step"] == 2 and stats["resolved_on_step"] == 0
     assert stats["in_use_bytes"] == 0
     third = pool.copy(torch.zeros(4))
-    assert pool.stats()["reused"] == 1  # the buffers came back
+    stats = pool.stats()  # the buffers came back (``second`` may have had ``first``'s already)
+    assert stats["reused"] >= 1 and stats["allocated"] + stats["reused"] == 3
     pool.close()
     assert _wait_for(lambda: third.resolved)  # the last step's copies too
     assert pool._thread is not None and _wait_for(lambda: not pool._thread.is_alive())
