@@ -60,6 +60,44 @@ registered in ``SECTIONS``:
     adds <= 1 % of the step over its yardstick.
 
     python benchmarks/bench_hooks.py --only optim [--rounds 4] [--seconds 1.5]
+
+``copy-out``
+    What copying traced and tracked tensors out of the bus's host buffers costs the step, by
+    where it happens: on the step (``HostBufferPool(copy_out_interval=None)``: each step
+    resolves the copies of the step before), by the copy-out thread every
+    ``DEFAULT_COPY_OUT_INTERVAL`` seconds in a batch (the default), and by the thread woken
+    every step (``copy_out_interval=0``).  The MLP of ``tracker`` (batch 256) steps between
+    the copies; per step the loss and ``--metrics`` - 1 (default 3) columns of 512 ids are
+    copied.  Printed: the step thread's CPU in ``copy`` + ``next_step``, and the process's
+    other threads' CPU, per step (medians over ``--rounds`` alternated runs).
+
+    python benchmarks/bench_hooks.py --only copy-out [--rounds 6]
+
+``breakdown``
+    Where the step's CPU goes, per hook and per collector call, for the held-out job of
+    ``bench_peers.py`` (its MLP, batches and hook set: the loss logged every 50 steps, a
+    progress bar, the loss to a local JSONL tracker every step, one checkpoint at the end) on
+    its ``--breakdown-configs`` paths (default ``trainer,async-loop,sync-loop``).  Every run is
+    a fresh process; each round runs every config once (and again with the code of
+    ``--compare DIR``, alternated).  In the child, the bus's subscribers, ``publish``, the
+    collectors (``add_metric``, ``add_to_ml_tracker``, ``add_to_trace``), the host-copy pool
+    (``copy``, ``next_step``), the bus's collector merge and yields, and the model's forward,
+    backward and optimizer step are wrapped in sections timed on the thread's CPU clock
+    (``time.thread_time_ns``: what other processes on the machine take is not counted),
+    nested: each row is a section's own time (its timed children taken out), per training
+    step over the steps after ``bench_peers``'s 50 warm-up steps.  The cost of the timing
+    itself is measured in the child and taken out (printed).  "loop (the rest)" is the step
+    thread's CPU outside every section (the Trainer's or the loop's own code, the event
+    loop); "other threads" the CPU of the process's other threads per step (the tracker's
+    writer, the reads).  Medians over ``--rounds`` rounds.
+
+    ``--breakdown-normalize`` scales each run's rows by the median model CPU per step (all
+    runs) over the run's own: on a shared machine one process runs 20 % slower than the next
+    in everything, the model included.  ``--breakdown-bare`` also runs each config without
+    the sections, to check the step thread's total.
+
+    python benchmarks/bench_hooks.py --only breakdown [--rounds 3] [--breakdown-steps 1500]
+        [--breakdown-configs trainer,async-loop] [--compare <checkout>] [--breakdown-normalize]
 """
 
 from __future__ import annotations
@@ -67,7 +105,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -762,11 +802,451 @@ def section_monitors(args: argparse.Namespace) -> bool:
     return met
 
 
+# --------------------------------------------------------------------------- breakdown
+
+BREAKDOWN_CONFIGS = ("trainer", "async-loop", "sync-loop")
+
+
+class _Sections:
+    """Nested sections timed on this thread's CPU clock: per name, calls, inclusive ns and
+    the inclusive ns of its timed children (its own time is the difference)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.thread = threading.get_ident()
+        self.calls: dict[str, int] = {}
+        self.incl: dict[str, int] = {}
+        self.kids: dict[str, int] = {}
+        self.kid_calls: dict[str, int] = {}
+        self.stack: list[list[int]] = []  # per open section: [children's ns, children]
+
+    def reset(self) -> None:
+        self.calls, self.incl, self.kids, self.kid_calls = {}, {}, {}, {}
+
+    def enter(self) -> int:
+        self.stack.append([0, 0])
+        return time.thread_time_ns()
+
+    def leave(self, name: str, t0: int) -> None:
+        took = time.thread_time_ns() - t0
+        kids, kid_calls = self.stack.pop()
+        self.calls[name] = self.calls.get(name, 0) + 1
+        self.incl[name] = self.incl.get(name, 0) + took
+        self.kids[name] = self.kids.get(name, 0) + kids
+        self.kid_calls[name] = self.kid_calls.get(name, 0) + kid_calls
+        if self.stack:
+            self.stack[-1][0] += took
+            self.stack[-1][1] += 1
+
+    def sync(self, name: str | Callable[..., str], fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` timed as ``name`` (a str, or a function of the call's arguments); an
+        awaitable it returns is timed as ``name (awaited)`` when awaited."""
+        import functools
+        import inspect
+        import threading
+
+        get_ident = threading.get_ident
+
+        @functools.wraps(fn)
+        def timed(*a: Any, **k: Any) -> Any:
+            if get_ident() != self.thread:
+                return fn(*a, **k)
+            label = name if isinstance(name, str) else name(*a, **k)
+            t0 = self.enter()
+            try:
+                result = fn(*a, **k)
+            finally:
+                self.leave(label, t0)
+            if result is not None and inspect.isawaitable(result):
+                return self._awaited(f"{label} (awaited)", result)
+            return result
+
+        return timed
+
+    async def _awaited(self, name: str, awaitable: Awaitable[Any]) -> Any:
+        t0 = self.enter()
+        try:
+            return await awaitable
+        finally:
+            self.leave(name, t0)
+
+    def coro(self, name: str | Callable[..., str], fn: Callable[..., Any]) -> Callable[..., Any]:
+        """A coroutine function timed as ``name`` from its call to its end (a suspension
+        counts what the loop ran meanwhile on this thread)."""
+        import functools
+
+        @functools.wraps(fn)
+        async def timed(*a: Any, **k: Any) -> Any:
+            label = name if isinstance(name, str) else name(*a, **k)
+            t0 = self.enter()
+            try:
+                return await fn(*a, **k)
+            finally:
+                self.leave(label, t0)
+
+        return timed
+
+
+def _calibrate(sections: _Sections) -> tuple[float, float]:
+    """The timing's own cost in ns: (as a parent sees a timed no-op, as the no-op records)."""
+
+    def noop() -> None:
+        return None
+
+    timed = sections.sync("calibration", noop)
+    best_outer = best_inner = math.inf
+    for _ in range(5):
+        sections.reset()
+        n = 20000
+        t0 = time.thread_time_ns()
+        for _ in range(n):
+            timed()
+        outer = (time.thread_time_ns() - t0) / n
+        t0 = time.thread_time_ns()
+        for _ in range(n):
+            noop()
+        outer -= (time.thread_time_ns() - t0) / n
+        inner = sections.incl["calibration"] / n
+        best_outer, best_inner = min(best_outer, outer), min(best_inner, inner)
+    sections.reset()
+    return best_outer, best_inner
+
+
+def _instrument(sections: _Sections) -> None:
+    """Wrap the bus, the collectors, the host-copy pool and the model's work in timed
+    sections (class-level patches: the breakdown's child process only)."""
+    import recis_async
+    from recis_async import bus as bus_module
+    from recis_async import hostcopy, trainer
+
+    bus_cls = recis_async.HookBus
+    original_add = bus_cls._add
+
+    def add(self: Any, event_type: Any, fn: Any, name: str, *rest: Any) -> Any:
+        import inspect
+
+        label = f"hook {name}"
+        is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+            getattr(fn, "__call__", None)  # noqa: B004
+        )
+        wrapped = sections.coro(label, fn) if is_async else sections.sync(label, fn)
+        return original_add(self, event_type, wrapped, name, *rest)
+
+    bus_cls._add = add  # type: ignore[method-assign]
+    bus_cls._publish = sections.coro(  # type: ignore[method-assign]
+        lambda self, event: f"bus publish {type(event).__name__}", bus_cls._publish
+    )
+    bus_cls._with_collected = sections.sync(  # type: ignore[method-assign]
+        "bus collector merge (AfterStep)", bus_cls._with_collected
+    )
+    bus_module.yield_to_services = sections.coro(  # type: ignore[attr-defined]
+        "bus yield to services", bus_module.yield_to_services
+    )
+    pool = hostcopy.HostBufferPool
+    pool.copy = sections.sync("hostcopy copy (the step's)", pool.copy)  # type: ignore[method-assign]
+    pool.next_step = sections.sync(  # type: ignore[method-assign]
+        "hostcopy next_step (earlier copies out)", pool.next_step
+    )
+    for name in ("add_metric", "add_to_ml_tracker", "add_to_trace"):
+        setattr(recis_async, name, sections.sync(f"collector {name}", getattr(recis_async, name)))
+    trainer.add_metric = sections.sync(  # type: ignore[attr-defined]
+        "collector add_metric", trainer.add_metric
+    )
+    try:
+        from recis_async.syncbus import SyncHookBus
+
+        SyncHookBus.publish = sections.sync(  # type: ignore[method-assign]
+            "SyncHookBus.publish (the switches)", SyncHookBus.publish
+        )
+    except ImportError:
+        pass
+    # the Trainer's own work on a step
+    trainer._At.__call__ = sections.sync(  # type: ignore[method-assign]
+        "trainer building events", trainer._At.__call__
+    )
+    trainer.Lookahead.take = sections.sync(  # type: ignore[method-assign]
+        "trainer next batch (Lookahead.take, to_device)", trainer.Lookahead.take
+    )
+    for name in ("_loss_of", "_trainable", "batch_size"):
+        setattr(trainer, name, sections.sync(f"trainer {name}", getattr(trainer, name)))
+    torch.nn.functional.mse_loss = sections.sync("model loss", torch.nn.functional.mse_loss)
+    torch.Tensor.backward = sections.sync(  # type: ignore[method-assign]
+        "model backward", torch.Tensor.backward
+    )
+    torch.optim.SGD.step = sections.sync("model optimizer", torch.optim.SGD.step)  # type: ignore[method-assign]
+    torch.optim.SGD.zero_grad = sections.sync(  # type: ignore[method-assign]
+        "model optimizer", torch.optim.SGD.zero_grad
+    )
+
+
+def breakdown_child(args: argparse.Namespace) -> dict[str, Any]:
+    """One run of ``bench_peers``'s job on the path ``args.breakdown_child``, instrumented."""
+    import threading
+
+    import bench_peers  # this directory: the same job, batches and hooks
+
+    sections = _Sections()
+    outer, inner = _calibrate(sections)
+    config = args.breakdown_child
+    steps = args.breakdown_steps
+    torch_, mlp, batches = bench_peers.build(256, steps)
+    out = Path(args.job_dir)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    log = logging.getLogger("bench")
+
+    if not args.breakdown_bare:
+        _instrument(sections)
+    marks: dict[str, Any] = {}
+    forwards = [0]
+    mlp_forward = mlp.forward
+    timed_forward = sections.sync("model forward", mlp_forward)
+    if args.breakdown_bare:
+        timed_forward = mlp_forward
+
+    def forward(x: Any) -> Any:
+        forwards[0] += 1
+        n = forwards[0]
+        if n == bench_peers.WARMUP + 1:  # the first timed step starts here
+            sections.reset()
+            marks["start"] = (time.thread_time_ns(), time.process_time_ns(), time.perf_counter())
+        elif n == steps:  # the last step's forward: steps WARMUP .. steps - 2 are done
+            marks["end"] = (time.thread_time_ns(), time.process_time_ns(), time.perf_counter())
+            marks["sections"] = (
+                dict(sections.calls),
+                dict(sections.incl),
+                dict(sections.kids),
+                dict(sections.kid_calls),
+            )
+        return timed_forward(x)
+
+    mlp.forward = forward
+    assert threading.get_ident() == sections.thread
+    clock = bench_peers.Clock()
+    runner = getattr(bench_peers, f"run_{config.replace('-', '_')}")
+    runner(torch_, mlp, batches, clock, out, log, False)
+    timed_steps = steps - 1 - bench_peers.WARMUP
+    calls, incl, kids, kid_calls = marks["sections"]
+    (t0, p0, w0), (t1, p1, w1) = marks["start"], marks["end"]
+    return {
+        "steps": timed_steps,
+        "thread_ns": t1 - t0,
+        "process_ns": p1 - p0,
+        "wall_s": w1 - w0,
+        "outer_ns": outer,
+        "inner_ns": inner,
+        "sections": {
+            name: {
+                "calls": calls[name],
+                "incl": incl[name],
+                "kids": kids[name],
+                "kid_calls": kid_calls[name],
+            }
+            for name in calls
+        },
+    }
+
+
+def _breakdown_rows(run: dict[str, Any]) -> dict[str, tuple[float, float]]:
+    """Per row of one run: (us per step, calls per step), the timing's own cost taken out: a
+    section records ``inner`` ns more than it took, and each timed child costs its parent
+    ``outer - inner`` ns that no section records."""
+    n = run["steps"]
+    outer, inner = run["outer_ns"], run["inner_ns"]
+    rows: dict[str, tuple[float, float]] = {}
+    timed_calls = 0
+    own_total = 0.0
+    for name, s in run["sections"].items():
+        own = s["incl"] - s["kids"] - s["calls"] * inner - s["kid_calls"] * (outer - inner)
+        rows[name] = (own / n / 1e3, s["calls"] / n)
+        timed_calls += s["calls"]
+        own_total += own
+    thread = run["thread_ns"] - timed_calls * outer  # the step thread without the timing
+    rows["loop (the rest)"] = ((thread - own_total) / n / 1e3, 1.0)
+    rows["= step thread CPU"] = (thread / n / 1e3, 1.0)
+    rows["other threads CPU"] = ((run["process_ns"] - run["thread_ns"]) / n / 1e3, 1.0)
+    rows["(steps/s, wall, instrumented)"] = (n / run["wall_s"], 0.0)
+    return rows
+
+
+def section_breakdown(args: argparse.Namespace) -> bool:
+    """Per-hook and per-collector CPU per step of the held-out job (see the module doc)."""
+    import json
+    import subprocess
+
+    here = Path(__file__).resolve().parent.parent
+    codes = {"": here}
+    if args.compare:
+        other = Path(args.compare).resolve()
+        codes[f"@{other.name}"] = other
+    configs = [c.strip() for c in args.breakdown_configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in BREAKDOWN_CONFIGS]
+    if unknown:
+        raise SystemExit(f"--breakdown-configs: unknown {unknown}; known {BREAKDOWN_CONFIGS}")
+    variants = [("", False)] + ([(" bare", True)] if args.breakdown_bare else [])
+    labels = [c + suffix + bare for c in configs for suffix in codes for bare, _ in variants]
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
+    load = os.getloadavg()
+    started = time.perf_counter()
+    for r in range(args.rounds):
+        order = labels[r % len(labels) :] + labels[: r % len(labels)]
+        for label in order:
+            config, _, rest = label.partition("@")
+            config, bare = config.removesuffix(" bare"), label.endswith(" bare")
+            code = codes["@" + rest.removesuffix(" bare") if rest else ""]
+            root = Path(tempfile.mkdtemp(prefix="bench_breakdown_"))
+            cmd = [
+                sys.executable, str(Path(__file__).resolve()), "--breakdown-child", config,
+                "--job-dir", str(root), "--breakdown-steps", str(args.breakdown_steps),
+            ]  # fmt: skip
+            if bare:
+                cmd.append("--breakdown-bare")
+            env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1"}
+            with open(root / "stderr.txt", "w") as err:
+                proc = subprocess.run(
+                    cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=err, text=True
+                )
+            if proc.returncode != 0:
+                print((root / "stderr.txt").read_text()[-3000:], file=sys.stderr)
+                raise SystemExit(f"[breakdown] {label} failed")
+            runs[label].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            shutil.rmtree(root, ignore_errors=True)
+            rows = _breakdown_rows(runs[label][-1])
+            print(
+                f"# round {r + 1} {label}: step thread {rows['= step thread CPU'][0]:.0f} us, "
+                f"hooks {sum(v[0] for k, v in rows.items() if k.startswith('hook ')):.0f} us",
+                file=sys.stderr,
+                flush=True,
+            )
+    med = statistics.median
+    per = {label: [_breakdown_rows(run) for run in rs] for label, rs in runs.items()}
+    model = {
+        id(rows): sum(us for name, (us, _) in rows.items() if name.startswith("model "))
+        for rows_list in per.values()
+        for rows in rows_list
+    }
+    reference = med([m for m in model.values() if m > 0] or [1.0])
+    if args.breakdown_normalize:  # every run's figures at the median model speed
+        for rows_list in per.values():
+            for rows in rows_list:
+                scale = reference / model[id(rows)] if model[id(rows)] > 0 else 1.0
+                for name, (us, calls) in list(rows.items()):
+                    if not name.startswith("("):
+                        rows[name] = (us * scale, calls)
+    names: list[str] = []
+    for label in labels:
+        for rows in per[label]:
+            names.extend(n for n in rows if n not in names)
+    order = ("model ", "trainer ", "collector ", "hostcopy ", "bus ", "SyncHookBus", "hook ")
+    order += ("loop ", "= ")
+    names.sort(key=lambda n: next((i for i, p in enumerate(order) if n.startswith(p)), 99))
+    print(
+        f"\n[breakdown] bench_peers' job ({args.breakdown_steps} steps, the first "
+        f"{args.breakdown_steps - (runs[labels[0]][0]['steps'] if runs[labels[0]] else 0)} "
+        f"untimed), fresh process per run, {args.rounds} rounds; us of thread CPU per training "
+        f"step, medians (calls per step in brackets); {os.cpu_count()} CPUs, load average "
+        f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start; "
+        f"{time.perf_counter() - started:.0f}s"
+    )
+    calib = [r["outer_ns"] for rs in runs.values() for r in rs]
+    print(f"timing cost taken out: {med(calib):.0f} ns per timed call")
+    spread = [m for m in model.values() if m > 0]
+    if spread:
+        print(
+            f"the model's CPU per step (forward, loss, backward, optimizer) over the runs: "
+            f"{min(spread):.0f}-{max(spread):.0f} us, median {reference:.0f}"
+            + (
+                "; every run's figures scaled to that median (--breakdown-normalize)"
+                if args.breakdown_normalize
+                else ""
+            )
+        )
+    width = max(len(n) for n in names)
+    print(f"| {'row':{width}} | " + " | ".join(f"{label:>18}" for label in labels) + " |")
+    print(f"|{'-' * (width + 2)}|" + "|".join("-" * 20 for _ in labels) + "|")
+    for name in names:
+        cells = []
+        for label in labels:
+            values = [rows[name] for rows in per[label] if name in rows]
+            if not values:
+                cells.append(f"{'–':>18}")
+                continue
+            us = med(v[0] for v in values)
+            calls = med(v[1] for v in values)
+            text = f"{us:.1f}" if name.startswith("(") else f"{us:.1f} ({calls:.2g})"
+            if name.startswith(("=", "loop", "other")) or name.startswith("("):
+                text = f"{us:.1f}"
+            cells.append(f"{text:>18}")
+        print(f"| {name:{width}} | " + " | ".join(cells) + " |")
+    return True
+
+
+# --------------------------------------------------------------------------- copy-out
+
+
+def section_copy_out(args: argparse.Namespace) -> bool:
+    """Where host copies are copied out: on the step, or by the copy-out thread (batched, or
+    woken every step), after a real MLP step (see the module doc)."""
+    from recis_async.hostcopy import DEFAULT_COPY_OUT_INTERVAL, HostBufferPool
+
+    torch.set_num_threads(1)
+    work = Workload(batch=args.batch or 256, width=args.width)
+    columns = args.metrics or 4
+    variants = {
+        "on the step (copy_out_interval=None)": None,
+        f"copy-out thread, every {DEFAULT_COPY_OUT_INTERVAL} s (the default)": (
+            DEFAULT_COPY_OUT_INTERVAL
+        ),
+        "copy-out thread, every step (copy_out_interval=0)": 0.0,
+    }
+    steps = 400
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
+    ids = torch.arange(512)
+    for r in range(args.rounds):
+        names = list(variants)
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            pool = HostBufferPool(copy_out_interval=variants[name])
+            spent = 0
+            t0, p0 = time.thread_time_ns(), time.process_time_ns()
+            for _ in range(steps):
+                loss = work.step()
+                t = time.thread_time_ns()
+                pool.copy(loss)
+                for _ in range(columns - 1):
+                    pool.copy(ids)
+                pool.next_step()
+                spent += time.thread_time_ns() - t
+            thread = time.thread_time_ns() - t0
+            other = time.process_time_ns() - p0 - thread
+            pool.close()
+            if pool._thread is not None:
+                pool._thread.join(10)
+            results[name].append((spent / steps / 1e3, other / steps / 1e3))
+    load = os.getloadavg()[0]
+    print(
+        f"\n[copy-out] MLP 64-{args.width}-{args.width}-1, batch {work.batch}, 1 torch thread; "
+        f"per step the loss and {columns - 1} columns of 512 int64 copied, {steps} steps a "
+        f"run, {args.rounds} rounds alternated; {os.cpu_count()} CPUs, load average "
+        f"{load:.2f} at start; us of thread CPU per step, medians (range)"
+    )
+    print(f"{'where':55} {'step thread: copy + next_step':>30} {'other threads':>16}")
+    for name, rs in results.items():
+        step_us = [x[0] for x in rs]
+        other_us = [x[1] for x in rs]
+        print(
+            f"{name:55} {statistics.median(step_us):12.1f} ({min(step_us):.1f}-{max(step_us):.1f})"
+            f"{'':5} {statistics.median(other_us):8.1f} ({min(other_us):.1f}-{max(other_us):.1f})"
+        )
+    return True
+
+
 SECTIONS: dict[str, Section] = {
     "tracker": section_tracker,
     "tracker-job": section_tracker_job,
     "monitors": section_monitors,
     "optim": section_optim,
+    "breakdown": section_breakdown,
+    "copy-out": section_copy_out,
 }
 
 
@@ -799,11 +1279,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--compare",
         metavar="DIR",
-        help="[tracker-job] also run MlflowTracker with the code of the checkout DIR",
+        help="[tracker-job] also run MlflowTracker with the code of the checkout DIR; "
+        "[breakdown] every config again with that code",
     )
+    parser.add_argument(
+        "--breakdown-steps", type=int, default=1500, help="[breakdown] steps a run (bench_peers')"
+    )
+    parser.add_argument(
+        "--breakdown-configs",
+        default=",".join(BREAKDOWN_CONFIGS),
+        help=f"[breakdown] comma-separated paths of bench_peers: {', '.join(BREAKDOWN_CONFIGS)}",
+    )
+    parser.add_argument(
+        "--breakdown-bare",
+        action="store_true",
+        help="[breakdown] also run every config without the sections (the step thread's CPU "
+        "as it is: a check of the timing's cost taken out)",
+    )
+    parser.add_argument(
+        "--breakdown-normalize",
+        action="store_true",
+        help="[breakdown] scale each run's figures by the median model CPU per step over its "
+        "own (a machine slower in one run than in another slows both alike)",
+    )
+    parser.add_argument("--breakdown-child", help=argparse.SUPPRESS)
     parser.add_argument("--job-child", help=argparse.SUPPRESS)
     parser.add_argument("--job-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.breakdown_child:
+        import json
+
+        print(json.dumps(breakdown_child(args)))
+        return 0
     if args.job_child:
         import json
 

@@ -36,8 +36,9 @@ disturbs least; step p50 / p99 in ms;
 process wall time and import time in s (start to the end of the imports the path needs);
 peak RSS in MB.
 
-    python benchmarks/bench_peers.py [--reps 6] [--steps 1500] [--only plain,trainer,...]
+    python benchmarks/bench_peers.py [--reps 6] [--steps 1500] [--only trainer,own,...]
     python benchmarks/bench_peers.py --quick          # every config once, a few steps
+    python benchmarks/bench_peers.py --only trainer,own --compare <checkout>  # before/after
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ CONFIGS = (
     "ignite",
     "ignite+adapter",
 )
+
+#: ``--only`` names standing for several configs
+ALIASES = {"own": ["async-loop", "sync-loop"]}
 
 
 # --------------------------------------------------------------------------- the child
@@ -431,11 +435,14 @@ def run_ignite(torch: Any, mlp: Any, batches: Any, clock: Clock, out: Path, log:
 
 
 # --------------------------------------------------------------------------- the driver
-def run_one(config: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_one(label: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One run of ``label``: a config, or ``config@compare`` for the code of ``--compare``."""
+    config, _, other = label.partition("@")
+    code = Path(args.compare).resolve() if other else ROOT
     with tempfile.TemporaryDirectory(prefix="bench_peers_") as tmp:
         env = {
             **os.environ,
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": str(code),
             "OMP_NUM_THREADS": "1",
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
@@ -491,9 +498,19 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=6, help="repetitions of every config")
     parser.add_argument("--steps", type=int, default=1500, help="training steps a run")
     parser.add_argument("--hidden", type=int, default=256, help="the MLP's hidden width")
-    parser.add_argument("--only", help="comma-separated configs (plain is always run)")
+    parser.add_argument(
+        "--only",
+        help="comma-separated configs; 'own' is async-loop,sync-loop (plain and plain-again, "
+        "the A/A row, are always run)",
+    )
     parser.add_argument("--quick", action="store_true", help="every config once, 120 steps (a smoke test)")
     parser.add_argument("--json", help="also write every run's figures to this file")
+    parser.add_argument(
+        "--compare",
+        metavar="DIR",
+        help="also run every config but plain with the recis_async of the checkout DIR "
+        "(rows 'config@DIR'), alternated with the others in every repetition",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -502,14 +519,22 @@ def main() -> None:
         return
     if args.quick:
         args.reps, args.steps = 1, 120
-    configs = list(CONFIGS) if not args.only else ["plain", *[c for c in args.only.split(",") if c != "plain"]]
-    unknown = [c for c in configs if c not in CONFIGS]
+    configs = list(CONFIGS)
+    if args.only:  # plain and plain-again (the A/A row: the resolution) are always run
+        asked = [c for n in args.only.split(",") for c in ALIASES.get(n.strip(), [n.strip()])]
+        configs = ["plain", "plain-again"]
+        configs += [c for c in dict.fromkeys(asked) if c not in configs]
+    unknown = [c for c in configs if c not in CONFIGS]  # (before the --compare labels)
     if unknown:
         parser.error(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
     skipped = [c for c in configs if not available(c)]
     configs = [c for c in configs if c not in skipped]
     if skipped:
         print(f"skipped (framework not installed): {', '.join(skipped)}", file=sys.stderr)
+    if args.compare:  # every config but the plain ones again, with the other checkout's code
+        other = Path(args.compare).resolve().name
+        pairs = [[c] if c.startswith("plain") else [c, f"{c}@{other}"] for c in configs]
+        configs = [label for pair in pairs for label in pair]
     results: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
     for rep in range(args.reps):
         order = configs[rep % len(configs) :] + configs[: rep % len(configs)]

@@ -208,6 +208,7 @@ class HookBus:
         errors.extend(self._failures)
         self._failures.clear()
         self._collector.open = False
+        self._collector.host.close()  # the copy-out thread ends once it has copied out
         self._state = "closed"
         return errors
 
@@ -510,6 +511,14 @@ class HookBus:
 
     def _route(self, event_type: type) -> Route:
         return routes.build(self._routes, event_type, self._subs)
+
+    def has_subscribers(self, event_type: type[Event]) -> bool:
+        """Whether an event of ``event_type`` would reach a subscriber now (one of that type or
+        of a base class).  A loop may skip building and publishing an event nobody receives;
+        the events the bus itself acts on (``BeforeStep``, ``AfterStep``, ``OutOfData``,
+        ``End``) are published whatever this says."""
+        route = self._routes.get(event_type) or self._route(event_type)
+        return bool(route.entries)
 
     # ------------------------------------------------------------------ publishing
     def publish(self, event: Event) -> Coroutine[Any, Any, None]:

@@ -58,7 +58,7 @@ class StepCollector:
 
     def take(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
         """Hand over the step's metrics, trace, tracked values and reductions; start empty.
-        The host copies of earlier steps that are ready are resolved now (see
+        The host copies of earlier steps go to the copy-out thread (see
         :meth:`~recis_async.hostcopy.HostBufferPool.next_step`)."""
         taken = (self.metrics, self.trace, self.tracked, self.reduce)
         self.metrics, self.trace, self.tracked, self.reduce = {}, {}, {}, {}
@@ -169,7 +169,8 @@ def add_metric(name: str, value: Any, reduce: Reduction = "mean") -> None:
             _check_metric_tensor(name, value)
         elif value.dtype not in metric_dtypes():
             _check_metric_tensor(name, value)
-        value = value.detach().clone()
+        # a tensor without grad (the usual ``loss.detach()``) needs no second detach
+        value = (value.detach() if value.requires_grad else value).clone()
     elif type(value) is not float and type(value) is not int:  # the common case, kept cheap
         value = _metric_value(name, value, reduce)
     collector.metrics[name] = value
@@ -323,6 +324,10 @@ def _tensor_copy(caller: str, name: str, value: torch.Tensor) -> np.ndarray:
         ) from None
 
 
+_RESOLVED: dict[Any, Any] = {}  # torch dtype -> resolved_dtype(it), as they are seen
+_UNSEEN = object()
+
+
 def add_to_ml_tracker(name: str, value: Any) -> None:
     """Record a value for the experiment tracker (``AfterStep.tracked``): a number, tensor,
     numpy array or list; arrays become lists.  A tensor, on any device, is copied to the host
@@ -330,13 +335,16 @@ def add_to_ml_tracker(name: str, value: Any) -> None:
     and converted to the tracker's float off the step: one element as a number, more as an
     array."""
     collector = current_collector("add_to_ml_tracker")
-    _check_name("add_to_ml_tracker", name)
+    if type(name) is not str or not name:
+        _check_name("add_to_ml_tracker", name)
     if type(value) is float or type(value) is int:  # the common case, kept cheap on the step
         collector.tracked[name] = value
         return
     if isinstance(value, torch.Tensor):
         _check_tensor("add_to_ml_tracker", name, value)
-        resolved = resolved_dtype(value.dtype)
+        resolved = _RESOLVED.get(value.dtype, _UNSEEN)
+        if resolved is _UNSEEN:
+            resolved = _RESOLVED[value.dtype] = resolved_dtype(value.dtype)
         if resolved is not None and resolved.kind not in "biuf":
             raise ValueError(
                 f"add_to_ml_tracker({name!r}): expected a tensor of real numbers, "

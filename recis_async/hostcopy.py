@@ -16,8 +16,12 @@ gives the buffer back to the pool at once.  ``np.asarray(copy)`` resolves too.
 The pool (:class:`HostBufferPool`) holds at most ``max_bytes`` of buffers (default
 :data:`DEFAULT_HOST_BUFFER_BYTES`), pinned when CUDA is available, reused across steps (a
 buffer per dtype, shape and device; free ones of the oldest shapes are dropped for new
-ones).  At each ``AfterStep`` the copies of earlier steps that are ready are resolved
-(:meth:`HostBufferPool.next_step`), so a buffer is normally back one step after its copy.
+ones).  At each ``AfterStep`` the copies of earlier steps are handed over
+(:meth:`HostBufferPool.next_step`), every :data:`DEFAULT_COPY_OUT_INTERVAL` seconds in a batch,
+to the pool's copy-out thread, which resolves them: the step thread neither waits for the
+device nor copies values out, and a buffer is normally back within that interval (a pool made
+with ``copy_out_interval=None`` resolves the ready ones on the step instead, one step after
+their copy).
 When the buffers in use fill the pool, a copy still gets a buffer (over the bound by at
 most that step's copies; a tensor larger than the whole pool gets a one-off buffer the same
 way), and the step's ``publish(AfterStep)`` then waits in :meth:`HostBufferPool.make_room`,
@@ -32,6 +36,7 @@ tracker's child process) does not import it.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Final
@@ -45,6 +50,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "DEFAULT_COPY_OUT_INTERVAL",
     "DEFAULT_HOST_BUFFER_BYTES",
     "DEFAULT_WAIT_TIMEOUT",
     "HostBufferPool",
@@ -59,6 +65,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_HOST_BUFFER_BYTES: Final = 64 << 20
 #: the longest a step waits for the device to finish the copies filling the pool, in seconds
 DEFAULT_WAIT_TIMEOUT: Final = 60.0
+#: how often, in seconds, the copies of finished steps go to the copy-out thread in a batch:
+#: waking a thread every step would cost the step more than the copy-out it spares
+#: (benchmarks/README.md, "Host copies out off the step")
+DEFAULT_COPY_OUT_INTERVAL: Final = 0.1
 _POLL_S: Final = 0.001  # how often a step waiting for room asks the device again
 
 # torch dtype name -> (the dtype resolve() returns, the dtype the buffer is read as)
@@ -255,7 +265,11 @@ class HostBufferPool:
     """The bounded pool of host buffers a bus's tensors are copied into (see the module).
 
     Not shared between buses; :meth:`copy`, :meth:`next_step` and :meth:`make_room` run on
-    the thread that runs the steps, :meth:`HostCopy.resolve` anywhere.
+    the thread that runs the steps, :meth:`HostCopy.resolve` anywhere.  The copies of finished
+    steps are resolved by the pool's copy-out thread (a daemon thread started with the first
+    hand-over, ended by :meth:`close`), in batches: every ``copy_out_interval`` seconds, or at
+    once when they hold a quarter of ``max_bytes``.  With ``copy_out_interval=None`` there is
+    no thread: :meth:`next_step` resolves the ready copies of earlier steps itself.
 
     Args:
         max_bytes: the bound on the bytes of buffers held (in use, waiting for the device,
@@ -264,9 +278,12 @@ class HostBufferPool:
             stream); default: when CUDA is available.
         wait_timeout: the longest a step waits for room, in seconds.
         owner: the name used in messages (the bus's argument).
+        copy_out_interval: seconds between hand-overs to the copy-out thread (0: every
+            step); ``None``: no thread, the step resolves them.
 
     Raises:
-        TypeError, ValueError: a bound or timeout that is not a positive number.
+        TypeError, ValueError: a bound or timeout that is not a positive number, an interval
+            that is negative.
     """
 
     def __init__(
@@ -276,10 +293,31 @@ class HostBufferPool:
         pin_memory: bool | None = None,
         wait_timeout: float = DEFAULT_WAIT_TIMEOUT,
         owner: str = "HostBufferPool",
+        copy_out_interval: float | None = DEFAULT_COPY_OUT_INTERVAL,
     ) -> None:
         self.max_bytes = positive_int(owner, "max_bytes", max_bytes)
         self.wait_timeout = positive_number(owner, "wait_timeout", wait_timeout)
         self.owner = owner
+        if copy_out_interval is not None and (
+            isinstance(copy_out_interval, bool)
+            or not isinstance(copy_out_interval, int | float)
+            or not copy_out_interval >= 0
+        ):
+            raise ValueError(
+                f"{owner}(copy_out_interval=...): expected a number >= 0 or None, "
+                f"got {copy_out_interval!r}"
+            )
+        self.copy_out_interval = copy_out_interval
+        # the copy-out thread's side: this step's copies, those of finished steps not handed
+        # over yet (and their bytes), the queue to the thread, when the last hand-over was
+        self._this_step: list[HostCopy] = []
+        self._finished: list[HostCopy] = []
+        self._finished_bytes = 0
+        self._handover_bytes = max(1, self.max_bytes // 4)
+        self._to_thread: queue.SimpleQueue[list[HostCopy] | None] | None = None
+        self._thread: threading.Thread | None = None
+        self._last_handover = time.perf_counter()
+        self._closed = False
         self._pin = pin_memory  # decided on the first buffer: asking CUDA costs at start
         self._lock = threading.Lock()
         self._free: dict[tuple[Any, ...], list[_Slot]] = {}  # per key, in first-use order
@@ -296,6 +334,7 @@ class HostBufferPool:
             "resolved_on_step": 0,
             "backpressure_waits": 0,
         }
+        self._copied_out = 0  # by the copy-out thread (which alone counts them)
         self._wait_s = 0.0
 
     # ------------------------------------------------------------------ the step's side
@@ -346,6 +385,8 @@ class HostBufferPool:
         copy = HostCopy(self, slot, event, resolved, shape, size, dtype, device, step)
         with self._lock:
             self._outstanding[copy] = None
+        if self.copy_out_interval is not None:
+            self._this_step.append(copy)
         return copy
 
     def _allocate(
@@ -419,13 +460,35 @@ class HostBufferPool:
                     self._parked.append((slot, event))
 
     def next_step(self) -> None:
-        """A step's values are handed to ``AfterStep``: resolve the copies of earlier steps
-        whose device work is done (a host memcpy each, no wait), so their buffers are back
-        for the next steps.  This step's copies reach the subscribers unresolved."""
+        """A step's values are handed to ``AfterStep``: the copies of earlier steps go to the
+        copy-out thread (in a batch, every ``copy_out_interval`` seconds or once they hold a
+        quarter of the pool), which resolves them so that their buffers come back; this
+        step's copies reach the subscribers unresolved.  Without a copy-out thread
+        (``copy_out_interval=None``), the copies of earlier steps whose device work is done
+        are resolved here (a host memcpy each, no wait)."""
         step = self._step
         self._step = step + 1
         if self._parked:
             self._reclaim()
+        if self.copy_out_interval is not None:
+            finished = self._this_step
+            if finished:
+                self._this_step = []
+                if self._finished:
+                    self._finished += finished
+                else:
+                    self._finished = finished
+                for copy in finished:
+                    self._finished_bytes += copy.nbytes
+            if self._finished:
+                now = time.perf_counter()
+                if (
+                    now - self._last_handover >= self.copy_out_interval
+                    or self._finished_bytes >= self._handover_bytes
+                ):
+                    self._last_handover = now
+                    self._hand_over()
+            return
         if not self._outstanding:
             return
         with self._lock:
@@ -434,6 +497,59 @@ class HostBufferPool:
             if copy.ready():
                 copy.resolve()
                 self._stats["resolved_on_step"] += 1
+
+    def _hand_over(self) -> None:
+        """Send the copies of finished steps to the copy-out thread (started the first time);
+        after :meth:`close`, resolve the ready ones here instead."""
+        batch, self._finished, self._finished_bytes = self._finished, [], 0
+        if self._closed:
+            for copy in batch:
+                if copy._slot is not None and copy.ready():
+                    copy.resolve()
+            return
+        if self._to_thread is None:
+            self._to_thread = queue.SimpleQueue()
+            self._thread = threading.Thread(
+                target=self._copy_out,
+                args=(self._to_thread,),
+                name=f"recis_async copy-out ({self.owner})",
+                daemon=True,
+            )
+            self._thread.start()
+        self._to_thread.put(batch)
+
+    def _copy_out(self, batches: queue.SimpleQueue[list[HostCopy] | None]) -> None:
+        """The copy-out thread: resolve every copy handed over (waiting for the device where
+        its copy is not done), until :meth:`close`.  A copy released meanwhile is skipped; one
+        that fails (a device error) is left to whoever resolves it, who gets the error."""
+        while True:
+            batch = batches.get()
+            if batch is None:
+                return
+            for copy in batch:
+                if copy._result is not None or copy._slot is None:
+                    continue  # resolved by a consumer already, or released
+                try:
+                    copy.resolve()
+                except Exception:  # released meanwhile, or the device failed
+                    logger.debug("%s: a copy was not copied out here", self.owner, exc_info=True)
+                    continue
+                self._copied_out += 1
+            del batch
+
+    def close(self) -> None:
+        """Hand the copies of finished steps over a last time and let the copy-out thread end
+        once it has resolved them (it is not waited for).  Later steps resolve their copies
+        on the step.  Idempotent; the bus calls it when it closes."""
+        if self._closed:
+            return
+        self._finished += self._this_step
+        self._this_step = []
+        if self._finished:
+            self._hand_over()
+        self._closed = True
+        if self._to_thread is not None:
+            self._to_thread.put(None)
 
     @property
     def full(self) -> bool:
@@ -520,6 +636,7 @@ class HostBufferPool:
             "pinned": bool(self._pin),
             "copies": self._copies,
             "reused": self._reused,
+            "copied_out_off_step": self._copied_out,
             **self._stats,
             "backpressure_wait_s": self._wait_s,
         }

@@ -535,6 +535,10 @@ class SyncHookBus:
     def stop_reason(self) -> str | None:
         return self._bus.stop_reason
 
+    def has_subscribers(self, event_type: type[Event]) -> bool:
+        """As :meth:`HookBus.has_subscribers <recis_async.HookBus.has_subscribers>`."""
+        return self._bus.has_subscribers(event_type)
+
     # ------------------------------------------------------------------ observability
     def stats(self) -> dict[str, Any]:
         """As :meth:`HookBus.stats <recis_async.HookBus.stats>`."""

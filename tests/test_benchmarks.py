@@ -34,3 +34,42 @@ def test_bench_gpu_runs_in_cpu_smoke_mode() -> None:
     assert rows["none"][2] == "1.000", out
     assert float(rows["hooks"][2]) > 0 and float(rows["naive"][2]) > 0, out
     assert "cpu smoke mode" in out, out
+
+
+@pytest.mark.slow
+def test_bench_hooks_breakdown_names_every_hook_and_collector_of_the_job() -> None:
+    """``bench_hooks.py --only breakdown``: a row per subscriber, collector and bus part of
+    the held-out job, on the Trainer and on an own loop, with the step thread's total."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/bench_hooks.py", "--only", "breakdown", "--rounds", "1",
+         "--breakdown-steps", "80", "--breakdown-configs", "trainer,async-loop"],
+        env=env, capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+        for line in proc.stdout.splitlines()
+        if line.startswith("| ") and not line.startswith("| row")
+    }
+    for name in ("hook ProgressBarHook.after_step", "hook MLTrackerHook.after_step",
+                 "hook LoggerHook.after_step", "hook CheckpointSaverHook.after_step",
+                 "collector add_metric", "collector add_to_ml_tracker",
+                 "bus publish AfterStep", "model backward", "= step thread CPU"):  # fmt: skip
+        assert name in rows, proc.stdout
+        assert all(float(cell.split()[0]) >= 0 for cell in rows[name]), rows[name]
+    assert rows["trainer building events"][1] == "–", rows  # the own loop has no Trainer
+
+
+@pytest.mark.slow
+def test_bench_peers_only_keeps_the_a_a_row() -> None:
+    """``bench_peers.py --only``: plain and plain-again (the A/A row) run beside what was
+    asked; ``own`` is the two own loops."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/bench_peers.py", "--quick", "--only", "own"],
+        env=env, capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    paths = [line.split("|")[1].strip() for line in proc.stdout.splitlines() if line[:2] == "| "]
+    assert paths == ["path", "plain", "plain-again", "async-loop", "sync-loop"], proc.stdout

@@ -159,6 +159,18 @@ async def test_subscriber_removed_during_dispatch_is_skipped() -> None:
     assert seen == []
 
 
+async def test_has_subscribers_follows_subscriptions_of_a_type_and_its_bases() -> None:
+    async with HookBus() as bus:
+        assert not bus.has_subscribers(Custom) and not bus.has_subscribers(Start)
+        with bus.subscribe(Event, lambda e: None):  # a base: every event type reaches it
+            assert bus.has_subscribers(Custom) and bus.has_subscribers(Start)
+        assert not bus.has_subscribers(Custom)
+        once = bus.subscribe(Custom, lambda e: None, once=1)
+        assert bus.has_subscribers(Custom) and not bus.has_subscribers(Start)
+        await bus.publish(Custom())  # a once-subscriber removes itself
+        assert not once.active and not bus.has_subscribers(Custom)
+
+
 async def test_on_error_raise_names_subscriber_and_event() -> None:
     boom = KeyError("nope")
 

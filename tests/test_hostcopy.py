@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 
 import anyio
 import numpy as np
@@ -82,8 +84,8 @@ def test_buffers_are_reused_across_steps_and_given_back_on_resolve_or_release() 
         released.resolve()
 
 
-def test_next_step_resolves_the_copies_of_earlier_steps_only() -> None:
-    pool = HostBufferPool(1 << 20)
+def test_without_a_copy_out_thread_next_step_resolves_the_copies_of_earlier_steps_only() -> None:
+    pool = HostBufferPool(1 << 20, copy_out_interval=None)
     first = pool.copy(torch.ones(4))
     pool.next_step()  # the step of ``first`` is handed over: it is not read yet
     assert not first.resolved
@@ -91,6 +93,106 @@ def test_next_step_resolves_the_copies_of_earlier_steps_only() -> None:
     pool.next_step()
     assert first.resolved and not second.resolved
     assert pool.stats()["resolved_on_step"] == 1
+    assert pool._thread is None
+
+
+def _copy_out_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the threads that copy values out of the pool's buffers, in order."""
+    import recis_async.hostcopy as hostcopy
+
+    names: list[str] = []
+    copy_out = hostcopy._copy_out
+
+    def recorded(view: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        names.append(threading.current_thread().name)
+        return copy_out(view, dtype)
+
+    monkeypatch.setattr(hostcopy, "_copy_out", recorded)
+    return names
+
+
+def _wait_for(condition: Callable[[], bool]) -> bool:
+    deadline = time.monotonic() + 10
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return condition()
+
+
+def test_the_copy_out_thread_resolves_the_copies_of_finished_steps_off_the_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    names = _copy_out_threads(monkeypatch)
+    pool = HostBufferPool(1 << 20, copy_out_interval=0.0)  # a hand-over every step
+    first = pool.copy(torch.full((4,), 1.0))
+    pool.next_step()
+    second = pool.copy(torch.full((4,), 2.0))  # after the hand-over: still this step's
+    assert _wait_for(lambda: first.resolved)
+    assert not second.resolved
+    pool.next_step()
+    assert _wait_for(lambda: second.resolved)
+    assert set(names) == {"recis_async copy-out (HostBufferPool)"}  # never this thread
+    assert first.resolve().tolist() == [1.0] * 4 and second.resolve().tolist() == [2.0] * 4
+    stats = pool.stats()
+    assert stats["copied_out_off_step"] == 2 and stats["resolved_on_step"] == 0
+    assert stats["in_use_bytes"] == 0
+    third = pool.copy(torch.zeros(4))
+    stats = pool.stats()  # the buffers came back (``second`` may have had ``first``'s already)
+    assert stats["reused"] >= 1 and stats["allocated"] + stats["reused"] == 3
+    pool.close()
+    assert _wait_for(lambda: third.resolved)  # the last step's copies too
+    assert pool._thread is not None and _wait_for(lambda: not pool._thread.is_alive())
+    pool.close()  # idempotent
+
+
+def test_copies_wait_for_the_interval_or_a_quarter_of_the_pool(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    names = _copy_out_threads(monkeypatch)
+    pool = HostBufferPool(1024, copy_out_interval=3600.0)
+    small = [pool.copy(torch.zeros(16)) for _ in range(3)]  # 3 x 64 bytes < 256
+    pool.next_step()
+    pool.next_step()
+    time.sleep(0.05)
+    assert not any(c.resolved for c in small) and pool._thread is None and names == []
+    big = pool.copy(torch.zeros(64))  # 256 more bytes: a quarter of the pool is waiting
+    pool.next_step()
+    assert _wait_for(lambda: all(c.resolved for c in [*small, big]))
+    assert len(names) == 4
+    released = pool.copy(torch.ones(64))
+    released.release()  # a released copy is skipped, not an error
+    pool.close()
+    assert pool._thread is not None and _wait_for(lambda: not pool._thread.is_alive())
+    assert pool.stats()["copied_out_off_step"] == 4 and pool.stats()["in_use_bytes"] == 0
+
+
+def test_copy_out_interval_is_checked() -> None:
+    for bad in (-1, "0.1", True):
+        with pytest.raises(ValueError, match=r"copy_out_interval=...\): expected a number >= 0"):
+            HostBufferPool(copy_out_interval=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_a_bus_copies_values_out_off_its_thread_and_gets_every_buffer_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    names = _copy_out_threads(monkeypatch)
+    seen: list[AfterStep] = []
+    async with HookBus() as bus:
+        bus.subscribe(AfterStep, seen.append)
+        for step in range(12):
+            add_to_trace("x", torch.full((8,), float(step)))
+            add_to_ml_tracker("y", torch.tensor(float(step)))
+            await bus.publish(AfterStep(global_step=step))
+            await anyio.sleep(0.03)  # 12 steps over ~0.36 s: a few hand-overs
+        loop_thread = threading.current_thread().name
+        stats = bus.stats()["host_buffers"]
+        assert stats["copied_out_off_step"] > 0 and stats["resolved_on_step"] == 0
+        assert stats["reused"] > 0  # buffers came back while the loop ran
+    assert loop_thread not in names and names
+    host = bus._collector.host
+    assert _wait_for(lambda: host.stats()["in_use_bytes"] == 0)  # after close: every one
+    assert [float(np.asarray(e.trace["x"])[0]) for e in seen] == [float(s) for s in range(12)]
+    assert [float(np.asarray(e.tracked["y"])) for e in seen] == [float(s) for s in range(12)]
 
 
 def test_the_pool_never_keeps_more_than_its_bound() -> None:

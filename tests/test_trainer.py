@@ -248,6 +248,35 @@ async def test_trainer_uses_a_given_open_bus_and_end_once() -> None:
     assert rec.log.count("End") == 1 and rec.log[-1] == "End"
 
 
+async def test_step_events_nobody_receives_are_not_published() -> None:
+    """AfterData, AfterBackward and the optimizer-step events reach their subscribers, with
+    their step's fields; with none, the trainer does not build or publish them."""
+    trainer, _ = make(batches(3), Recorder())
+    trainer.hooks = [h for h in trainer.hooks if not isinstance(h, Recorder)]
+    published: list[str] = []
+    backward: list[int] = []
+    async with HookBus() as bus:
+        publish = bus.publish
+
+        def recording(event: Event) -> Any:
+            published.append(type(event).__name__)
+            return publish(event)
+
+        bus.publish = recording  # type: ignore[method-assign]
+        trainer.bus = bus
+        assert not bus.has_subscribers(AfterBackward)
+        await trainer.train()
+        steps = ["BeforeStep", "AfterStep"] * 3 + ["BeforeStep", "OutOfData"]
+        assert published == ["Start", "BeforeEpoch", *steps, "AfterTrain", "AfterEpoch"]
+        published.clear()
+        with bus.subscribe(AfterBackward, lambda e: backward.append(e.global_step)):
+            assert bus.has_subscribers(AfterBackward) and bus.has_subscribers(StepEvent) is False
+            await trainer.train()
+        assert not bus.has_subscribers(AfterBackward)
+    assert "AfterBackward" in published and "AfterData" not in published
+    assert backward == [3, 4, 5]
+
+
 async def test_body_error_from_model_ends_failed() -> None:
     rec = Recorder()
 

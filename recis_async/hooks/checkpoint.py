@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -214,9 +215,10 @@ class CheckpointSaverHook(Hook):
         )
         bus.start_service(self._writer)
 
-    async def after_step(self, event: AfterStep) -> None:
+    def after_step(self, event: AfterStep) -> Awaitable[None] | None:
+        """Sync; the save (a coroutine) at a save step."""
         if not event.is_train:
-            return
+            return None
         step = self._last_step = event.global_step + 1
         if self._cadence is not None:
             due = self._cadence.due(event)
@@ -225,14 +227,15 @@ class CheckpointSaverHook(Hook):
         else:
             due = False
         if due and step != self._last_saved:
-            await self._save(step)
-        elif not self._prewarmed and self.reuse_buffers and self._writer is not None:
+            return self._save(step)
+        if not self._prewarmed and self.reuse_buffers and self._writer is not None:
             self._prewarmed = True  # the optimizer state exists from the first step on
             layout: Layout = {}
             seen: set[tuple[Any, ...]] = set()
             for where, state in self._own_states():
                 layout_of(state, where, layout, seen)
             self._writer.prewarm(layout)
+        return None
 
     async def end(self, event: End) -> None:
         step = self._last_step

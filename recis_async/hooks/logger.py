@@ -31,7 +31,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
@@ -149,7 +149,9 @@ class LoggerHook(Hook):
         if window.seg_start is None:
             window.seg_start = now
 
-    async def after_step(self, event: AfterStep) -> None:
+    def after_step(self, event: AfterStep) -> Awaitable[None] | None:
+        """Sync; a coroutine only at a log step whose line waits for reads (tensor values, or
+        earlier lines still being read) or for the all-reduce."""
         now = self._clock()
         window = self._enter(event.is_train, now)
         if window.seg_start is None:
@@ -167,7 +169,7 @@ class LoggerHook(Hook):
             lstep = event.local_step
         due = self._cadence.due(event) if event.is_train else window.count % self.log_step == 0
         if not due:
-            return
+            return None
         elapsed = window.busy + (now - window.seg_start)
         sps = window.steps / elapsed if elapsed > 0 else math.nan
         qps = window.samples / elapsed if elapsed > 0 else math.nan
@@ -178,14 +180,24 @@ class LoggerHook(Hook):
             event = msgspec.structs.replace(event, local_step=lstep)
         tensors = has_tensor(event.metrics.values())
         if self.all_reduce and dist.is_initialized() and dist.get_world_size() > 1:
-            if tensors:  # read here: the collective below needs the values on every rank
-                metrics = await anyio.to_thread.run_sync(read_values, event.metrics)
-                event = msgspec.structs.replace(event, metrics=metrics)
-                tensors = False
-            event, qps, sps = await self._reduced(event, qps, sps)
-            if dist.get_rank() != 0:
-                return
+            return self._reduced_line(event, qps, sps, tensors)
         if tensors or self._reads.busy:  # read off the step; lines keep their order
+            return self._reads.put(
+                functools.partial(read_values, event.metrics),
+                functools.partial(self._write, event, qps, sps),
+            )
+        self.logger.info(self.format_line(event, qps, sps))
+        return None
+
+    async def _reduced_line(self, event: AfterStep, qps: float, sps: float, tensors: bool) -> None:
+        """The line of a log step with ``all_reduce``: the job-wide numbers, on rank 0."""
+        if tensors:  # read here: the collective below needs the values on every rank
+            metrics = await anyio.to_thread.run_sync(read_values, event.metrics)
+            event = msgspec.structs.replace(event, metrics=metrics)
+        event, qps, sps = await self._reduced(event, qps, sps)
+        if dist.get_rank() != 0:
+            return
+        if self._reads.busy:  # lines keep their order
             await self._reads.put(
                 functools.partial(read_values, event.metrics),
                 functools.partial(self._write, event, qps, sps),

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..errors import OnError
 from ..events import AfterEval, AfterLoadCheckpoint, AfterStep, End, Start
 from ..hook import Hook
+from ..hostcopy import HostCopy
 from ..trackers import JsonlTracker, RunSpec, StepRecord, Tracker, TrackerService
 from ..trackers.base import (
     RECORD_OVERHEAD,
@@ -196,9 +197,21 @@ class MLTrackerHook(Hook):
         if self._service is not None:
             await self._service.wait_started()
 
-    async def after_step(self, event: AfterStep) -> None:
-        if event.is_train and event.tracked:
-            await self._put(event.global_step, event.tracked, "AfterStep.tracked", "", owned=True)
+    def after_step(self, event: AfterStep) -> Awaitable[None] | None:
+        """Sync: the step's values are checked and buffered at once; a coroutine only when the
+        buffer is full (the step then waits for room: backpressure)."""
+        if not event.is_train or not event.tracked:
+            return None
+        service = self._service
+        if service is None:
+            raise RuntimeError(f"{self!r} is not attached to a bus (bus.add_hook(hook) first)")
+        checked, nbytes = self._checked(event.tracked, "AfterStep.tracked", "", owned=True)
+        if not checked:
+            return None
+        record = StepRecord(event.global_step, time.time(), checked)
+        if service.put_nowait(record, nbytes):
+            return None
+        return service.put(record, nbytes)
 
     async def after_eval(self, event: AfterEval) -> None:
         if event.metrics:
@@ -223,37 +236,49 @@ class MLTrackerHook(Hook):
         if self._service is not None:
             await self._service.flush()
 
-    async def _put(
-        self, step: int, values: Mapping[str, Any], where: str, prefix: str, owned: bool = False
-    ) -> None:
-        """Check ``values`` and buffer them; ``owned``: a dict nobody else changes (an event's
-        ``tracked``, fresh from the collector each step), which may be kept without a copy."""
+    async def _put(self, step: int, values: Mapping[str, Any], where: str, prefix: str) -> None:
+        """Check ``values`` and buffer them (waiting while the buffer is full)."""
         service = self._service
         if service is None:
             raise RuntimeError(f"{self!r} is not attached to a bus (bus.add_hook(hook) first)")
-        names = self._names
-        nbytes = RECORD_OVERHEAD
-        checked: dict[str, Any]
-        if (
-            owned
-            and type(values) is dict
-            and names.issuperset(values)
-            and all(type(v) is float for v in values.values())
-        ):  # the common step, kept cheap: known names, float values, nothing to convert
-            checked = values
-            nbytes += len(values) * VALUE_OVERHEAD + sum(map(len, values))
-        else:
-            checked = {}
-            for key, value in values.items():
-                full = prefix + key if prefix else key
-                if full not in names:
-                    check_metric_name(full, where=f"{where} key")
-                    names.add(full)
-                if type(value) is not float:  # floats (the common case) need no conversion
-                    # a tensor's HostCopy is kept as it is: the service's worker resolves it
-                    value = to_tracked_value(key, value, where=where)
-                    nbytes += value_nbytes(value)
-                checked[full] = value
-                nbytes += VALUE_OVERHEAD + len(full)
+        checked, nbytes = self._checked(values, where, prefix)
         if checked:
             await service.put(StepRecord(step, time.time(), checked), nbytes)
+
+    def _checked(
+        self, values: Mapping[str, Any], where: str, prefix: str, owned: bool = False
+    ) -> tuple[dict[str, Any], int]:
+        """``values`` checked and converted, with the bytes they count for; ``owned``: a dict
+        nobody else changes (an event's ``tracked``, fresh from the collector each step),
+        which may be kept without a copy."""
+        names = self._names
+        nbytes = RECORD_OVERHEAD
+        if owned and type(values) is dict and names.issuperset(values):
+            # The common step, kept cheap: known names, values with nothing to convert
+            # (floats; host copies of real numbers, which the service's worker resolves).
+            payload = 0
+            for value in values.values():
+                kind = type(value)
+                if kind is float:
+                    continue
+                if kind is not HostCopy or value.dtype.kind not in "biuf":
+                    break
+                if value.size != 1:
+                    payload += 8 * value.size  # the float64 array it becomes
+            else:
+                return values, nbytes + payload + len(values) * VALUE_OVERHEAD + sum(
+                    map(len, values)
+                )
+        checked: dict[str, Any] = {}
+        for key, value in values.items():
+            full = prefix + key if prefix else key
+            if full not in names:
+                check_metric_name(full, where=f"{where} key")
+                names.add(full)
+            if type(value) is not float:  # floats (the common case) need no conversion
+                # a tensor's HostCopy is kept as it is: the service's worker resolves it
+                value = to_tracked_value(key, value, where=where)
+                nbytes += value_nbytes(value)
+            checked[full] = value
+            nbytes += VALUE_OVERHEAD + len(full)
+        return checked, nbytes

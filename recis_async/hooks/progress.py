@@ -31,11 +31,13 @@ class ProgressBarHook(Hook):
     ``TrainingArguments`` when left ``None``: ``train_steps``, else ``train_epoch`` passes over
     a dataset with ``len()``); with a total the bar shows the ETA.  The bar opens at the first
     training step and starts at that step, so a resumed run shows its true position.  The
-    postfix shows the latest step's numeric metrics (or only ``metrics`` when given).  Metrics
-    recorded as one-element tensors are not read on the step: at most every ``mininterval``
-    seconds (the bar's refresh) the latest ones are read in a worker thread and shown once
-    read, so the postfix may trail the bar by a refresh; at ``End`` the last values are read and
-    shown before the bar closes.  While the
+    postfix shows the numeric metrics (or only ``metrics`` when given) of the step the bar is
+    redrawn at: they are formatted only then (tqdm redraws at most every ``mininterval``
+    seconds), not on every step.  Metrics recorded as one-element tensors are not read on the
+    step: when the bar is about to redraw (at most every ``mininterval`` seconds) the latest
+    ones are read in a worker thread and shown once read, so the postfix may trail the bar by a
+    refresh.  At ``End`` the last step's values are read and shown before the bar closes.
+    While the
     bar is shown, log lines to the console (handlers of the root and ``recis_async`` loggers
     writing to stdout, stderr or ``file``) are written through tqdm, so each sits on its own
     line above the bar, in a terminal and in a redirected file alike.  Rank 0 only.
@@ -94,7 +96,9 @@ class ProgressBarHook(Hook):
         self.mininterval = positive_number(owner, "mininterval", mininterval)
         self._bar: Any = None
         self._unroute: Callable[[], None] | None = None
-        self._latest: dict[str, Any] = {}  # shown values not read yet (device tensors)
+        # the metrics of the latest step, not in the postfix yet (the bar shows them when it
+        # redraws; numbers are formatted, tensors read, only then)
+        self._unshown: Mapping[str, Any] | None = None
         self._next_read = 0.0  # monotonic time of the next read of tensor values
         self._reads = ReadQueue("ProgressBarHook.read", capacity=1, on_error=self.on_error)
 
@@ -116,28 +120,47 @@ class ProgressBarHook(Hook):
             self._unroute = route_logging_through_bar(self._tqdm, self.file)
 
     def after_step(self, event: AfterStep) -> Awaitable[None] | None:
-        """Sync; a coroutine (the read handed to the worker) at a refresh with tensors."""
+        """Sync; a coroutine (the read handed to the worker) at a redraw with tensors."""
         bar = self._bar
         if not event.is_train or bar is None:
             return None
-        metrics = event.metrics
+        read = None
+        if event.metrics:
+            self._unshown = event.metrics  # a dict of this step's own: nobody changes it
+            if _redraw_near(bar):
+                read = self._to_postfix(bar)
+        bar.update(1)
+        return read
+
+    def _to_postfix(self, bar: Any) -> Awaitable[None] | None:
+        """Put the latest step's metrics in the postfix: numbers at once, one-element tensors
+        read in the worker (at most every ``mininterval`` seconds and one read at a time; else
+        they wait for a later redraw, or for ``End``)."""
+        metrics = self._unshown
+        if metrics is None:
+            return None
+        postfix, tensors = self._shown(metrics)
+        if tensors:  # device values (and numbers): read off the step
+            now = time.monotonic()
+            if now < self._next_read or self._reads.busy:
+                return None
+            self._next_read = now + self.mininterval
+            self._unshown = None
+            return self._reads.put(functools.partial(read_values, postfix), self._show)
+        self._unshown = None
+        if postfix:
+            bar.set_postfix(postfix, refresh=False)
+        return None
+
+    def _shown(self, metrics: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
+        """The values of ``metrics`` the postfix shows: numbers and one-element tensors (their
+        shape says so: no read); whether there are tensors among them."""
         names = metrics if self.metrics is None else self.metrics
         postfix = {
             name: metrics[name] for name in names if isinstance(metrics.get(name), numbers.Real)
         }
-        read = None
-        if len(postfix) < len(names) and _tensor_scalars(metrics, names, postfix):
-            self._latest = postfix  # numbers and device values: read at the next refresh
-            now = time.monotonic()
-            if now >= self._next_read and not self._reads.busy:
-                self._next_read = now + self.mininterval
-                self._latest = {}
-                read = self._reads.put(functools.partial(read_values, postfix), self._show)
-        elif postfix:
-            self._latest = {}
-            bar.set_postfix(postfix, refresh=False)
-        bar.update(1)
-        return read
+        tensors = len(postfix) < len(names) and _tensor_scalars(metrics, names, postfix)
+        return postfix, tensors
 
     def _show(self, values: Mapping[str, Any]) -> None:
         """Values read off the step: the postfix of the next redraw."""
@@ -147,7 +170,14 @@ class ProgressBarHook(Hook):
     def end(self, event: End) -> Awaitable[None] | None:
         """Sync (so it still runs when an ``End`` subscriber before it overran the close
         deadline); a coroutine only while tensor values wait to be read for the last postfix."""
-        if self._bar is not None and (self._latest or self._reads.busy):
+        bar = self._bar
+        if bar is not None and self._unshown is not None:
+            postfix, tensors = self._shown(self._unshown)
+            if not tensors:  # numbers only: shown by the close's last redraw
+                self._unshown = None
+                if postfix:
+                    bar.set_postfix(postfix, refresh=False)
+        if bar is not None and (self._unshown is not None or self._reads.busy):
             return self._last_values_then_close()
         self._close()
         return None
@@ -155,9 +185,10 @@ class ProgressBarHook(Hook):
     async def _last_values_then_close(self) -> None:
         try:
             await self._reads.wait_idle()
-            if self._latest:  # the last values, read now (the run is over)
-                self._show(await anyio.to_thread.run_sync(read_values, self._latest))
-                self._latest = {}
+            metrics, self._unshown = self._unshown, None
+            if metrics is not None:  # the last values, read now (the run is over)
+                postfix, _ = self._shown(metrics)
+                self._show(await anyio.to_thread.run_sync(read_values, postfix))
                 self._bar.refresh()
         finally:
             self._close()
@@ -172,6 +203,27 @@ class ProgressBarHook(Hook):
 
     def __repr__(self) -> str:
         return f"<ProgressBarHook total={self.total}>"
+
+
+def _redraw_near(bar: Any) -> bool:
+    """Whether ``bar.update(1)`` is about to redraw, by tqdm's own two tests: enough steps
+    since the last redraw (``miniters``, which tqdm tunes to the steps of about one
+    ``mininterval``), then enough time (``mininterval`` on tqdm's clock, ``delay`` after the
+    start).  The time test is passed :data:`_REDRAW_LEAD` of ``mininterval`` early, so that
+    tqdm, asking its clock a moment later, does not redraw without the postfix just set; when
+    it has not redrawn yet, the next steps set it again.  A bar without these attributes (a
+    disabled one, another tqdm): the postfix is set every step."""
+    try:
+        if bar.n + 1 - bar.last_print_n < bar.miniters:
+            return False
+        lead = _REDRAW_LEAD * bar.mininterval
+        now = bar._time() + lead
+        return bool(now - bar.last_print_t >= bar.mininterval and now >= bar.start_t + bar.delay)
+    except AttributeError:
+        return not getattr(bar, "disable", False)
+
+
+_REDRAW_LEAD = 0.1  # of mininterval: the postfix is set up to that early before a redraw
 
 
 def _tensor_scalars(metrics: Mapping[str, Any], names: Iterable[str], into: dict[str, Any]) -> bool:

@@ -5,8 +5,8 @@ checked against the declared ``fields``/``types`` at once -- a bad step raises `
 from that ``publish`` (as :class:`~recis_async.HookError`) and nothing of it is kept -- and
 appended to a :class:`~recis_async.trace.buffer.ColumnBuffer`.  Traced tensors arrive as
 :class:`~recis_async.hostcopy.HostCopy` s: checked by their dtype and shape, never read by the
-step; their values are copied out by a later step once the device has copied them, or by the
-writer's worker thread.  When the buffer holds
+step; their values are copied out by the bus's copy-out thread once the device has copied
+them, or by the writer's worker thread.  When the buffer holds
 ``size_threshold`` bytes (or its oldest row is ``max_age`` seconds old) it is sealed into an
 immutable batch and handed to a :class:`~recis_async.trace.service.TraceWriter` whose ``worker_num``
 workers write it through the sink in worker threads.  Memory stays bounded: ``after_step``

@@ -183,15 +183,20 @@ class TrackerService:
         caller computed it already."""
         if nbytes is None:
             nbytes = record_nbytes(record)
-        while True:
-            self._check_open()
-            if self._disabled:
-                self._counts["dropped"] += 1
-                return
-            held = self._pending_bytes + self._inflight_bytes
-            if held == 0 or held + nbytes <= self.max_buffer_bytes:
-                break
+        while not self.put_nowait(record, nbytes):
             await self._wait()
+
+    def put_nowait(self, record: StepRecord, nbytes: int) -> bool:
+        """:meth:`put` when there is room: buffer the record (or drop it, once disabled) and
+        return true; false, buffering nothing, while the buffer is too full (then
+        ``await put``).  Raises as :meth:`put` does."""
+        self._check_open()
+        if self._disabled:
+            self._counts["dropped"] += 1
+            return True
+        held = self._pending_bytes + self._inflight_bytes
+        if held and held + nbytes > self.max_buffer_bytes:
+            return False
         was_empty = not self._pending
         self._pending.append((record, nbytes))
         self._pending_bytes += nbytes
@@ -201,6 +206,7 @@ class TrackerService:
         # task switch each time while the batch fills.
         if was_empty or self._pending_bytes >= self.max_buffer_bytes // 2:
             self._notify()
+        return True
 
     def _check_open(self) -> None:
         if self._failure is not None:

@@ -26,8 +26,11 @@ class Clock:
 
 
 def after_step(hook: LoggerHook, event: AfterStep) -> None:
-    """Run the (async) handler to completion: without all_reduce it never suspends."""
+    """Run the handler to completion: without all_reduce it never suspends (and returns a
+    coroutine only when a line waits for reads)."""
     coro = hook.after_step(event)
+    if coro is None:
+        return
     try:
         coro.send(None)
     except StopIteration:

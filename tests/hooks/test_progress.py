@@ -105,3 +105,45 @@ def test_progress_bar_bad_input() -> None:
         ProgressBarHook(leave="no")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"ProgressBarHook\(desc=...\): expected a str, got 3"):
         ProgressBarHook(desc=3)  # type: ignore[arg-type]
+
+
+def counting_postfix(hook: ProgressBarHook) -> list[dict[str, Any]]:
+    """The postfixes ``hook``'s bar is given, in order."""
+    given: list[dict[str, Any]] = []
+
+    class Counted(hook._tqdm):  # type: ignore[misc, name-defined]
+        def set_postfix(self, ordered_dict: Any = None, refresh: bool = True, **kw: Any) -> None:
+            given.append(dict(ordered_dict or {}))
+            super().set_postfix(ordered_dict, refresh=refresh, **kw)
+
+    hook._tqdm = Counted
+    return given
+
+
+async def test_number_postfix_is_formatted_only_when_the_bar_redraws() -> None:
+    out = io.StringIO()
+    bar = ProgressBarHook(total=200, file=out, mininterval=3600.0)  # no redraw in the loop
+    given = counting_postfix(bar)
+    losses = [0.5 + 0.001 * i for i in range(200)]
+    async with HookBus() as bus:
+        bus.add_hook(bar)
+        await loop(bus, losses)
+    # not once a step: once for the first redraw tqdm may make, and the last values at End
+    assert 1 <= len(given) <= 3, given
+    assert given[-1] == {"loss": losses[-1]}
+    frames = [f for f in out.getvalue().replace("\n", "\r").split("\r") if f.strip()]
+    assert "200/200" in frames[-1] and "loss=0.699" in frames[-1], frames[-1]
+
+
+async def test_each_redraw_shows_the_numbers_of_its_own_step() -> None:
+    out = io.StringIO()
+    bar = ProgressBarHook(total=20, file=out, mininterval=1e-9)  # a redraw every step
+    losses = [float(i) for i in range(1, 21)]
+    async with HookBus() as bus:
+        bus.add_hook(bar)
+        await loop(bus, losses)
+    frames = [f for f in out.getvalue().replace("\n", "\r").split("\r") if "loss=" in f]
+    assert frames, out.getvalue()
+    for frame in frames:  # "k/20" is drawn after step k - 1, whose loss is k
+        done = int(frame.split("/20")[0].split()[-1])
+        assert f"loss={done}" in frame.replace(".0,", ",").replace(".0]", "]"), frame
