@@ -1118,6 +1118,8 @@ def section_breakdown(args: argparse.Namespace) -> bool:
                 file=sys.stderr,
                 flush=True,
             )
+    if args.breakdown_json:
+        Path(args.breakdown_json).write_text(json.dumps(runs, indent=1))
     med = statistics.median
     per = {label: [_breakdown_rows(run) for run in rs] for label, rs in runs.items()}
     model = {
@@ -1302,6 +1304,7 @@ def main(argv: list[str] | None = None) -> int:
         help="[breakdown] scale each run's figures by the median model CPU per step over its "
         "own (a machine slower in one run than in another slows both alike)",
     )
+    parser.add_argument("--breakdown-json", help="[breakdown] also write every run's sections here")
     parser.add_argument("--breakdown-child", help=argparse.SUPPRESS)
     parser.add_argument("--job-child", help=argparse.SUPPRESS)
     parser.add_argument("--job-dir", help=argparse.SUPPRESS)

@@ -32,7 +32,9 @@ calls of the model (the same clock on every path, whatever the framework does ar
 first 50 steps are warm-up.  Printed per config, medians over repetitions (ranges in
 brackets): steps/s over the ``plain`` run's of the same repetition; the process's CPU time
 per step (all threads) over ``plain``'s -- the cost that contention on a shared machine
-disturbs least; step p50 / p99 in ms;
+disturbs least; that CPU time less the model's own (its forward, loss, backward and optimizer
+calls, timed on the thread's CPU clock in every path alike), in µs per step: what the path
+itself costs, free of the model's own variation from run to run; step p50 / p99 in ms;
 process wall time and import time in s (start to the end of the imports the path needs);
 peak RSS in MB.
 
@@ -91,6 +93,34 @@ class Clock:
     def __init__(self) -> None:
         self.times: list[float] = []
         self.cpu: list[float] = []
+        self.model: list[int] = []  # the model's own thread CPU so far, ns (see time_the_model)
+        self.model_ns = 0
+
+
+def time_the_model(torch: Any, mlp: Any, clock: Clock) -> None:
+    """Count the thread CPU of the model's own work -- the MLP's forward, the loss, backward,
+    the optimizer's step and zero_grad -- into ``clock.model_ns``, whatever path calls them:
+    what is left of a step's CPU is the path's own (hooks, loggers, the framework's loop),
+    which the model's variation from run to run does not blur.  (Each timed call costs two
+    reads of the thread clock, the same on every path.)"""
+    import functools
+
+    def timed(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def wrapper(*a: Any, **k: Any) -> Any:
+            t = time.thread_time_ns()
+            try:
+                return fn(*a, **k)
+            finally:
+                clock.model_ns += time.thread_time_ns() - t
+
+        return wrapper
+
+    mlp.forward = timed(mlp.forward)
+    torch.nn.functional.mse_loss = timed(torch.nn.functional.mse_loss)
+    torch.Tensor.backward = timed(torch.Tensor.backward)
+    torch.optim.SGD.step = timed(torch.optim.SGD.step)
+    torch.optim.SGD.zero_grad = timed(torch.optim.SGD.zero_grad)
 
 
 def build(hidden: int, steps: int) -> tuple[Any, Any, list[dict[str, Any]]]:
@@ -128,6 +158,7 @@ def make_net(torch: Any, mlp: Any, clock: Clock, record: Any = None, trace: bool
             if self.training:
                 clock.times.append(time.perf_counter())
                 clock.cpu.append(time.process_time())
+                clock.model.append(clock.model_ns)
             loss = torch.nn.functional.mse_loss(self.mlp(x), y)
             if self.training:
                 if record is not None:
@@ -157,6 +188,7 @@ def child(config: str, out: Path, steps: int, hidden: int) -> dict[str, Any]:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     log = logging.getLogger("bench")
     clock = Clock()
+    time_the_model(torch, mlp, clock)
     adapter = config.endswith("+adapter")
     runner = globals()[f"run_{framework.replace('-', '_')}"]
     runner(torch, mlp, batches, clock, out, log, adapter)
@@ -166,6 +198,7 @@ def child(config: str, out: Path, steps: int, hidden: int) -> dict[str, Any]:
         "config": config,
         "steps_per_s": (len(times) - WARMUP - 1) / (times[-1] - times[WARMUP]),
         "cpu_ms": 1e3 * (clock.cpu[-1] - clock.cpu[WARMUP]) / (len(times) - WARMUP - 1),
+        "model_ms": 1e-6 * (clock.model[-1] - clock.model[WARMUP]) / (len(times) - WARMUP - 1),
         "p50_ms": 1e3 * gaps[len(gaps) // 2],
         "p99_ms": 1e3 * gaps[min(len(gaps) - 1, int(len(gaps) * 0.99))],
         "import_s": imported,
@@ -476,16 +509,20 @@ def report(results: dict[str, list[dict[str, Any]]], reps: int) -> str:
 
     base = results["plain"]
     lines = [
-        "| path | steps/s ÷ plain (range) | CPU ms/step ÷ plain (range) | step p50 / p99 ms "
+        "| path | steps/s ÷ plain (range) | CPU ms/step ÷ plain (range) "
+        "| CPU µs/step besides the model (range) | step p50 / p99 ms "
         "| process wall s | import s | peak RSS MB |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for config, runs in results.items():
         ratios = [r["steps_per_s"] / b["steps_per_s"] for r, b in zip(runs, base, strict=False)]
         cpu = [r["cpu_ms"] / b["cpu_ms"] for r, b in zip(runs, base, strict=False) if "cpu_ms" in r]
         cpu_cell = f"{med(cpu):.3f} ({min(cpu):.2f}–{max(cpu):.2f})" if cpu else "–"
+        rest = [1e3 * (r["cpu_ms"] - r["model_ms"]) for r in runs if "model_ms" in r]
+        rest_cell = f"{med(rest):.0f} ({min(rest):.0f}–{max(rest):.0f})" if rest else "–"
         lines.append(
             f"| {config} | {med(ratios):.3f} ({min(ratios):.2f}–{max(ratios):.2f}) | {cpu_cell} "
+            f"| {rest_cell} "
             f"| {med([r['p50_ms'] for r in runs]):.2f} / {med([r['p99_ms'] for r in runs]):.2f} "
             f"| {med([r['wall_s'] for r in runs]):.1f} | {med([r['import_s'] for r in runs]):.1f} "
             f"| {med([r['rss_mb'] for r in runs]):.0f} |"

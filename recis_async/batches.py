@@ -21,6 +21,10 @@ __all__ = ["Lookahead", "batch_size", "model_device", "resolve_device", "to_devi
 
 def batch_size(batch: Any) -> int:
     """Rows in a batch: the first dimension of its first tensor/array (dicts, lists, tuples)."""
+    if type(batch) is dict:  # the common batch, first: a plain dict has no ``shape``
+        for value in batch.values():
+            return batch_size(value)
+        return 0
     if isinstance(batch, torch.Tensor) or hasattr(batch, "shape"):
         shape = batch.shape
         return int(shape[0]) if len(shape) else 1

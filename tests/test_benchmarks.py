@@ -73,3 +73,16 @@ def test_bench_peers_only_keeps_the_a_a_row() -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     paths = [line.split("|")[1].strip() for line in proc.stdout.splitlines() if line[:2] == "| "]
     assert paths == ["path", "plain", "plain-again", "async-loop", "sync-loop"], proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_hooks_copy_out_compares_the_three_places() -> None:
+    """``bench_hooks.py --only copy-out``: on the step, batched in the thread, every step."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/bench_hooks.py", "--only", "copy-out", "--rounds", "1"],
+        env=env, capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(("on the", "copy-out"))]
+    assert len(rows) == 3 and all(float(row.split()[-4]) > 0 for row in rows), proc.stdout
