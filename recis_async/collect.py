@@ -8,6 +8,7 @@ next.  There is no module-level mutable state: the RecIS global trace/metric map
 
 from __future__ import annotations
 
+import functools
 from contextvars import ContextVar, Token
 from numbers import Number
 from typing import Any
@@ -324,8 +325,10 @@ def _tensor_copy(caller: str, name: str, value: torch.Tensor) -> np.ndarray:
         ) from None
 
 
-_RESOLVED: dict[Any, Any] = {}  # torch dtype -> resolved_dtype(it), as they are seen
-_UNSEEN = object()
+@functools.cache
+def _resolved(dtype: torch.dtype) -> Any:
+    """``resolved_dtype``, once per dtype (a pure function: the step looks it up)."""
+    return resolved_dtype(dtype)
 
 
 def add_to_ml_tracker(name: str, value: Any) -> None:
@@ -342,9 +345,7 @@ def add_to_ml_tracker(name: str, value: Any) -> None:
         return
     if isinstance(value, torch.Tensor):
         _check_tensor("add_to_ml_tracker", name, value)
-        resolved = _RESOLVED.get(value.dtype, _UNSEEN)
-        if resolved is _UNSEEN:
-            resolved = _RESOLVED[value.dtype] = resolved_dtype(value.dtype)
+        resolved = _resolved(value.dtype)
         if resolved is not None and resolved.kind not in "biuf":
             raise ValueError(
                 f"add_to_ml_tracker({name!r}): expected a tensor of real numbers, "
