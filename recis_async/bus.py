@@ -208,7 +208,7 @@ class HookBus:
         errors.extend(self._failures)
         self._failures.clear()
         self._collector.open = False
-        self._collector.host.close()  # the copy-out thread ends once it has copied out
+        self._collector.host.close()  # the copy-out thread copies out the last ones and ends
         self._state = "closed"
         return errors
 

@@ -538,9 +538,11 @@ class HostBufferPool:
             del batch
 
     def close(self) -> None:
-        """Hand the copies of finished steps over a last time and let the copy-out thread end
-        once it has resolved them (it is not waited for).  Later steps resolve their copies
-        on the step.  Idempotent; the bus calls it when it closes."""
+        """Hand the copies of finished steps over a last time and wait, at most
+        ``wait_timeout`` seconds, for the copy-out thread to resolve them and end: no thread
+        of the pool outlives its bus (one still waiting for a device is named in a warning).
+        Later steps resolve their copies on the step.  Idempotent; the bus calls it when it
+        closes."""
         if self._closed:
             return
         self._finished += self._this_step
@@ -548,8 +550,16 @@ class HostBufferPool:
         if self._finished:
             self._hand_over()
         self._closed = True
-        if self._to_thread is not None:
+        if self._to_thread is not None and self._thread is not None:
             self._to_thread.put(None)
+            self._thread.join(self.wait_timeout)
+            if self._thread.is_alive():
+                logger.warning(
+                    "%s: the copy-out thread is still waiting for the device after %ss; "
+                    "left to end on its own",
+                    self.owner,
+                    self.wait_timeout,
+                )
 
     @property
     def full(self) -> bool:

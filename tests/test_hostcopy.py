@@ -139,6 +139,7 @@ def test_the_copy_out_thread_resolves_the_copies_of_finished_steps_off_the_step(
     stats = pool.stats()  # the buffers came back (``second`` may have had ``first``'s already)
     assert stats["reused"] >= 1 and stats["allocated"] + stats["reused"] == 3
     pool.close()
+    assert pool._thread is not None and not pool._thread.is_alive()  # close waited for it
     assert _wait_for(lambda: third.resolved)  # the last step's copies too
     assert pool._thread is not None and _wait_for(lambda: not pool._thread.is_alive())
     pool.close()  # idempotent
