@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
+import anyio
 from anyio.lowlevel import checkpoint
 
-__all__ = ["Service", "yield_to_services"]
+__all__ = ["Service", "first_of", "yield_to_services"]
 
 #: Loop passes a woken service needs to reach its worker thread: its wake-up, then anyio's
 #: two checkpoints in ``to_thread.run_sync``.
@@ -53,3 +54,19 @@ async def yield_to_services() -> None:
     """
     for _ in range(_PASSES):
         await checkpoint()
+
+
+async def first_of(*events: anyio.Event | None) -> None:
+    """Return as soon as one of ``events`` is set (``None`` entries are ignored): a service's
+    wait for room that gives way to the bus's stop event, say."""
+    waiting = [e for e in events if e is not None]
+    if any(e.is_set() for e in waiting):
+        return
+    async with anyio.create_task_group() as tg:
+
+        async def wait(event: anyio.Event) -> None:
+            await event.wait()
+            tg.cancel_scope.cancel()
+
+        for event in waiting:
+            tg.start_soon(wait, event)

@@ -37,12 +37,13 @@ would cost more than the switches themselves.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import inspect
 import signal
 import threading
 from asyncio import events as _asyncio_events
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextvars import Token
 from types import FrameType, TracebackType
 from typing import Any, TypeVar
@@ -130,6 +131,23 @@ class _Closed:
         self, error: BaseException | None, swallowed: bool, body: BaseException | None
     ) -> None:
         self.error, self.swallowed, self.body = error, swallowed, body
+
+
+@contextlib.contextmanager
+def _outside_any_loop() -> Iterator[None]:
+    """Hide the thread's running event loop (asyncio's, and the library name sniffio reports:
+    trio's) for the block, as :meth:`SyncHookBus._run` starts its loop; then show it again."""
+    loop, library = _get_running_loop(), _library.name
+    token = sniffio.current_async_library_cvar.set(None) if sniffio is not None else None
+    _set_running_loop(None)
+    _library.name = None
+    try:
+        yield
+    finally:
+        _set_running_loop(loop)
+        _library.name = library
+        if token is not None:
+            sniffio.current_async_library_cvar.reset(token)
 
 
 def _keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -434,7 +452,17 @@ class SyncHookBus:
     # ------------------------------------------------------------------ hooks and services
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` in the loop's greenlet when the bus is open (it may start a
-        service there), directly otherwise (before entering, inside a subscriber)."""
+        service there), directly otherwise (inside a subscriber, or once closed: it refuses).
+
+        Before the bus is entered its loop does not exist yet, so ``fn`` (``add_hook``: the
+        hook's ``attach``, which builds its services) runs here, with no event loop marked as
+        running in this thread: the anyio events, locks and limiters it makes are then
+        anyio's unbound ones, which bind in the first loop that uses them -- the bus's.  Made
+        while the caller's own loop shows (a notebook cell's asyncio loop, an async caller's
+        trio run), they would belong to that loop, whatever ``backend`` the bus runs on."""
+        if self._state == "new":
+            with _outside_any_loop():
+                return fn(*args, **kwargs)
         if self._state != "open" or greenlet.getcurrent() is self._greenlet:
             return fn(*args, **kwargs)
         return self._settle(self._to_loop(_Call(fn, args, kwargs)))

@@ -188,6 +188,7 @@ class MLTrackerHook(Hook):
             raise RuntimeError(f"{self!r} is already attached to a bus")
         run = RunSpec(project=self.project, name=self.name, run_id=self.id, params=self.params)
         self._service = TrackerService(self.tracker, run, name=self.state_key, **self._service_args)
+        self._service.watch_stop(lambda: bus.stopping)  # a full buffer gives way to a stop
         bus.start_service(self._service)
 
     async def start(self, event: Start) -> None:

@@ -97,6 +97,7 @@ class SummarySaverHook(Hook):
             flush_interval=0.0,
             on_error=self.on_error,
         )
+        self._service.watch_stop(lambda: bus.stopping)  # a full buffer gives way to a stop
         bus.start_service(self._service)
         self._reads.start(bus)
 

@@ -55,7 +55,7 @@ from .._checks import (
     positive_number,
 )
 from ..errors import SinkError, TraceDeliveryError
-from ..service import yield_to_services
+from ..service import first_of, yield_to_services
 from .base import Attempt, Sink
 from .buffer import Batch
 from .schema import OdpsType
@@ -388,7 +388,7 @@ class TraceWriter:
             if self._room.is_set():
                 self._room = anyio.Event()
             with anyio.move_on_after(left):
-                await _first_of(self._room, self._finished, stopping)
+                await first_of(self._room, self._finished, stopping)
             if self._offer(batch):
                 return None
 
@@ -858,18 +858,3 @@ def _unwrap(group: BaseExceptionGroup) -> BaseException:
     error = RuntimeError("; ".join(f"{type(e).__name__}: {e}" for e in leaves))
     error.__cause__ = group
     return error
-
-
-async def _first_of(*events: anyio.Event | None) -> None:
-    """Return as soon as one of ``events`` is set (``None`` entries are ignored)."""
-    waiting = [e for e in events if e is not None]
-    if any(e.is_set() for e in waiting):
-        return
-    async with anyio.create_task_group() as tg:
-
-        async def wait(event: anyio.Event) -> None:
-            await event.wait()
-            tg.cancel_scope.cancel()
-
-        for event in waiting:
-            tg.start_soon(wait, event)

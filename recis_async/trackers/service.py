@@ -12,6 +12,13 @@ calls raise); ``"log"`` logs and carries on; ``"disable"`` logs and stops tracki
 the tracker refused, or that is still buffered when the close deadline passes, is written
 to a spill file of :class:`StepRecord` lines (readable with
 :func:`~recis_async.trackers.read_records`, replayable with ``tracker.log``), never dropped.
+
+A ``put`` waiting for room does not wait past a stop request (:meth:`TrackerService.watch_stop`:
+the hooks pass their bus's stop event): its record is then kept for the close, which delivers
+it within the bus's ``flush_timeout`` like everything buffered (a stop says nothing about the
+tracker: spilling there would turn a Ctrl-C that met a slow tracker into a replay owed).  What
+is kept so is bounded: past one more ``max_buffer_bytes`` (a loop running on after its stop
+while the tracker hangs) a record is spilled at once, with the reason, and close reports it.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from .._checks import on_error as check_on_error
 from ..console import log_failure
 from ..errors import OnError, TrackerError
 from ..events import EndStatus
+from ..service import first_of
 from .base import (
     RunSpec,
     StepRecord,
@@ -155,6 +163,9 @@ class TrackerService:
         self._disabled = False
         self._limiter = anyio.CapacityLimiter(1)
         self._call: _Call | None = None  # the latest tracker.log call
+        self._stopping: Callable[[], anyio.Event] | None = None  # the bus's stop event
+        self._kept_at_stop = 0  # records kept for the close past the buffer's bound
+        self._no_room: list[Path] = []  # where records that found no room after a stop went
         self._counts = {
             "records": 0,
             "logged": 0,
@@ -179,12 +190,62 @@ class TrackerService:
     async def put(self, record: StepRecord, nbytes: int | None = None) -> None:
         """Buffer one record; waits while the buffer holds ``max_buffer_bytes``.
 
+        The wait ends as soon as a stop was requested (:meth:`watch_stop`), and the record is
+        then kept for the close to deliver: the step need not wait for the tracker.  Records
+        kept so are bounded by another ``max_buffer_bytes``; past it a record is spilled at
+        once (a warning says why, and close raises naming the file).
+
         ``nbytes`` is the record's :func:`~recis_async.trackers.base.record_nbytes` when the
         caller computed it already."""
         if nbytes is None:
             nbytes = record_nbytes(record)
         while not self.put_nowait(record, nbytes):
-            await self._wait()
+            stopping = None if self._stopping is None else self._stopping()
+            if stopping is not None and stopping.is_set():
+                await self._keep_for_close(record, nbytes)
+                return
+            if self._wakeup is None:
+                self._wakeup = anyio.Event()
+            await first_of(self._wakeup, stopping)
+
+    def watch_stop(self, stopping: Callable[[], anyio.Event]) -> None:
+        """Make a :meth:`put` waiting for room stop waiting, and keep its record for close, as
+        soon as the event ``stopping()`` returns is set (a hook passes its bus's
+        :attr:`~recis_async.HookBus.stopping`; a callable, as the bus makes its event only
+        when entered)."""
+        self._stopping = stopping
+
+    async def _keep_for_close(self, record: StepRecord, nbytes: int) -> None:
+        """A stop was requested and ``record`` found no room: buffer it beyond the bound for
+        the close to deliver, up to another ``max_buffer_bytes``; past that, spill it now."""
+        held = self._pending_bytes + self._inflight_bytes
+        if held + nbytes <= 2 * self.max_buffer_bytes:
+            if not self._kept_at_stop:
+                logger.info(
+                    "%s: a stop was requested while the tracker's buffer was full (%d bytes "
+                    "wait for it): records that find no room are kept for the close to deliver",
+                    self.name,
+                    held,
+                )
+            self._kept_at_stop += 1
+            self._append(record, nbytes)
+            return
+        why = (
+            f"a stop was requested and {held} bytes already wait for the close to deliver "
+            f"them (max_buffer_bytes={self.max_buffer_bytes}, and as much again kept at the "
+            "stop): the tracker is not keeping up"
+        )
+        logger.warning(
+            "%s: the record of step %d is spilled instead of buffered: %s",
+            self.name,
+            record.step,
+            why,
+        )
+        self._counts["records"] += 1
+        with anyio.CancelScope(shield=True):  # counted once it is in the file
+            path = await self._spill([record])
+        if path is not None:
+            self._no_room.append(path)
 
     def put_nowait(self, record: StepRecord, nbytes: int) -> bool:
         """:meth:`put` when there is room: buffer the record (or drop it, once disabled) and
@@ -197,6 +258,10 @@ class TrackerService:
         held = self._pending_bytes + self._inflight_bytes
         if held and held + nbytes > self.max_buffer_bytes:
             return False
+        self._append(record, nbytes)
+        return True
+
+    def _append(self, record: StepRecord, nbytes: int) -> None:
         was_empty = not self._pending
         self._pending.append((record, nbytes))
         self._pending_bytes += nbytes
@@ -206,7 +271,6 @@ class TrackerService:
         # task switch each time while the batch fills.
         if was_empty or self._pending_bytes >= self.max_buffer_bytes // 2:
             self._notify()
-        return True
 
     def _check_open(self) -> None:
         if self._failure is not None:
@@ -576,6 +640,8 @@ class TrackerService:
         pending = [record for record, _ in self._pending]
         inflight = list(self._inflight)
         if not timed_out and not pending and not inflight:
+            if self._no_room:
+                return TrackerError(f"{self.name}:{self._no_room_text()}")
             return None
         self._pending.clear()
         self._pending_bytes = 0
@@ -602,15 +668,27 @@ class TrackerService:
                 f"; {len(inflight)} in-flight records (delivery unknown) in {in_doubt}: "
                 f"settle them with python -m recis_async.trackers.replay {in_doubt}"
             )
+        if self._no_room:
+            text += f";{self._no_room_text()}"
         if self._counts["lost"]:
             text += f"; {self._counts['lost']} records LOST (no spill file could be written)"
         return error(text)
+
+    def _no_room_text(self) -> str:
+        files = ", ".join(str(path) for path in dict.fromkeys(self._no_room))
+        return (
+            f" {len(self._no_room)} records found no room after the stop request (the tracker "
+            f"was not keeping up) and were spilled to {files}: replay them with "
+            f"python -m recis_async.trackers.replay FILE"
+        )
 
     def stats(self) -> Mapping[str, Any]:
         return {
             **self._counts,
             "queued_bytes": self._pending_bytes + self._inflight_bytes,
             "queued_records": len(self._pending) + len(self._inflight),
+            "kept_at_stop": self._kept_at_stop,
+            "spilled_no_room": len(self._no_room),
             "spill_path": str(self.spill_path) if self.spill_path else None,
         }
 
