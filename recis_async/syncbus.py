@@ -15,23 +15,34 @@ How it works, and why this way.  The bus needs a running event loop (its task gr
 services, the close deadline), and ``publish`` must cost about what ``await bus.publish`` costs,
 so it cannot hop to another thread per event (anyio's blocking portal costs ~100 us a call
 here).  So the event loop runs in a *greenlet* of the caller's own thread: ``__enter__`` starts
-``anyio.run`` in it and enters a real ``HookBus`` there; ``publish`` switches into that greenlet
-(a stack switch, well under a microsecond), where the body task does ``await bus.publish(event)``
-and switches back.  The code that runs is HookBus's own: routes, filters, priorities,
-``on_error``, the collector merge, the periodic yield to services, signals, ``End`` once, the
-close deadline and the drain.  Coroutine subscribers run as in any async loop, and may suspend
-(``await anyio.sleep``, real async I/O, a built-in hook's ``to_thread`` call): the loop runs
-until they are done, then ``publish`` returns.  Between two publishes the loop is paused, as an
+``anyio.run`` in it and enters a real ``HookBus`` there.  Its body task then hands control back
+to the caller (a greenlet switch) and stays in the middle of its step while the caller runs:
+to the event loop, that task is running all along, so from the caller's code
+``asyncio.current_task()``, ``trio.lowlevel.current_task()``, anyio's cancel scopes and
+``anyio.Event`` are the body task's, as inside ``async with HookBus()``.
+
+``publish`` therefore runs ``HookBus.publish(event)``'s coroutine right in the caller: one
+``send``.  Most publishes finish in it (every subscriber is a plain function, or an ``async
+def`` that does not wait): no switch, no loop entry.  Only when the coroutine suspends (a
+subscriber awaits something that waits, the periodic yield to services, a stop signal's
+checkpoint) does ``publish`` switch into the loop's greenlet, where the body task awaits the
+rest of that same coroutine, and switch back when it is done.  The code that runs is
+HookBus's own: routes, filters, priorities, ``on_error``, the collector merge, the periodic
+yield to services, signals, ``End`` once, the close deadline and the drain.  Every step of the
+bus's code and of its subscribers, wherever it runs, runs in one :class:`contextvars.Context`
+of the bus (a copy of the body task's), so a subscriber's context variables hold across its
+awaits and from one publish to the next.  Between two publishes the loop is paused, as an
 async loop is while its step computes: worker threads keep working, and what they finished is
-picked up at the next publish (every ~100 ms, as ``HookBus`` does) or at close.
+picked up at the next publish that yields (every ~100 ms, as ``HookBus`` does) or at close.
 
 The caller's thread is the loop's thread, so signal handlers are installed there (the main
 thread: SIGINT/SIGTERM stop the loop gracefully, exit status 130/143), and no thread is left
 behind.  Where the caller runs an event loop of its own (Jupyter runs cells inside one), that
-loop stays the thread's running loop outside ``publish``.  In a plain script the bus's loop
-counts as the thread's running loop for the whole block (so ``asyncio.run`` there raises; run
-another event loop before or after the block, or in a thread): swapping it at every publish
-would cost more than the switches themselves.
+loop stays the thread's running loop outside ``publish``, and every publish switches into the
+loop's greenlet (the first ``send`` there too), where the bus's loop is the running one.  In a
+plain script the bus's asyncio loop counts as the thread's running loop for the whole block
+(so ``asyncio.run`` there raises; run another event loop before or after the block, or in a
+thread): swapping it at every publish would cost more than the publish itself.
 """
 
 from __future__ import annotations
@@ -42,9 +53,10 @@ import contextvars
 import inspect
 import signal
 import threading
+import types
 from asyncio import events as _asyncio_events
-from collections.abc import Callable, Iterator, Mapping
-from contextvars import Token
+from collections.abc import Callable, Coroutine, Generator, Iterator, Mapping
+from contextvars import ContextVar, Token
 from types import FrameType, TracebackType
 from typing import Any, TypeVar
 
@@ -83,6 +95,58 @@ class _NoLocal:
 
 
 _library: Any = sniffio.thread_local if sniffio is not None else _NoLocal()
+_getcurrent = greenlet.getcurrent
+
+#: The bus whose own context this is (see :meth:`SyncHookBus._serve`): set there only, so it
+#: is the bus while its code or a subscriber runs, in whichever greenlet; how a call made from
+#: a subscriber is told from the caller's.
+_in_bus: ContextVar[SyncHookBus | None] = ContextVar("recis_async_syncbus", default=None)
+
+_NOT_STARTED: Any = object()
+_IDLE: Any = object()  # what a publisher yields once a publish has returned
+
+
+@types.coroutine
+def _publisher(
+    publish: Callable[[Event], Coroutine[Any, Any, None]],
+) -> Generator[Any, Any, None]:
+    """Runs ``await publish(event)`` for each event sent in, then yields ``_IDLE``; what it
+    yields before is the publish's own: it waits (see :func:`_drive`).  One generator for many
+    publishes: a publish that returns without waiting ends in a value, not in the
+    ``StopIteration`` a coroutine of its own would raise (~0.3 us less per publish)."""
+    event = yield _IDLE
+    while True:
+        yield from publish(event)  # a coroutine: types.coroutine allows it
+        event = yield _IDLE
+
+
+@types.coroutine
+def _drive(
+    context: contextvars.Context,
+    coro: Coroutine[Any, Any, Any] | Generator[Any, Any, Any],
+    yielded: Any = _NOT_STARTED,
+) -> Generator[Any, Any, Any]:
+    """``await coro`` from the awaiting task, with every step of ``coro`` run in ``context``;
+    ``yielded``: what ``coro`` yielded at its first step, taken already (by the caller's
+    ``send``).  What ``yield from`` does (PEP 380), step by step through ``context.run``; a
+    :func:`_publisher` is awaited until its publish has returned (it yields ``_IDLE``)."""
+    run = context.run
+    try:
+        if yielded is _NOT_STARTED:
+            yielded = run(coro.send, None)
+        while yielded is not _IDLE:
+            try:
+                sent = yield yielded
+            except GeneratorExit:
+                run(coro.close)
+                raise
+            except BaseException as exc:  # the loop's cancellation, thrown in: to the coroutine
+                yielded = run(coro.throw, exc)
+            else:
+                yielded = run(coro.send, sent)
+    except StopIteration as stop:
+        return stop.value
+    return None
 
 
 class _Call:
@@ -100,6 +164,27 @@ class _Exit:
     __slots__ = ("exc",)
 
     def __init__(self, exc: BaseException | None) -> None:
+        self.exc = exc
+
+
+class _Continue:
+    """A publish whose first step, run in the caller, suspended: the loop runs the rest
+    (``coro``: the caller's :func:`_publisher`)."""
+
+    __slots__ = ("coro", "yielded")
+
+    def __init__(self, coro: Generator[Any, Any, None], yielded: Any) -> None:
+        self.coro, self.yielded = coro, yielded
+
+
+class _Throw:
+    """The first step of a publish, run in the caller, raised ``exc``, which is not an
+    ``Exception`` (a subscriber's ``KeyboardInterrupt`` or ``SystemExit``): it ends the body
+    in the loop, as it does when raised there."""
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
         self.exc = exc
 
 
@@ -201,6 +286,13 @@ class SyncHookBus:
         self._caller: greenlet.greenlet | None = None  # what it switches back to
         self._switch: Callable[[Any], Any] = self._not_open
         self._token: Token[StepCollector | None] | None = None
+        # publish's first step in the caller (see the module's docstring): set by the loop once
+        # open, where the caller runs no event loop of its own; cleared while that step runs
+        # (a subscriber publishing then takes the nested path) and once closed.
+        self._ready = False
+        self._run_in_bus: Callable[..., Any] = self._not_open  # the bus context's run
+        self._publisher: Generator[Any, Any, None] = self._new_publisher()
+        self._send: Callable[[Any], Any] = self._publisher.send
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> SyncHookBus:
@@ -246,7 +338,7 @@ class SyncHookBus:
             self._leave(None)
 
     def _leave(self, exc: BaseException | None) -> bool:
-        if greenlet.getcurrent() is self._greenlet:
+        if self._in_subscriber():
             raise RuntimeError(
                 "SyncHookBus: closing from inside a subscriber; request a stop instead "
                 "(bus.request_stop), and leave the block in your loop"
@@ -306,61 +398,93 @@ class SyncHookBus:
         loop = asyncio.get_running_loop() if self._backend == "asyncio" else None
         outside, outside_library, library = self._outside, self._outside_library, _library.name
         swap = (outside is not None and loop is not None) or outside_library != library
+        swap_loop = swap and outside is not loop  # (on trio both are None)
+        swap_library = swap and outside_library != library
+        # Where the bus's code and its subscribers run, whichever greenlet runs them: a copy of
+        # this task's context (anyio.run's sniffio name in it: anyio finds the loop from the
+        # caller's greenlet too), marked as the bus's own.
+        context = contextvars.copy_context()
+        context.run(_in_bus.set, self)
         bus = self._bus
-        await bus.__aenter__()
+        await _drive(context, bus.__aenter__())
         assert self._caller is not None
         to_caller = self._caller.switch
         publish = bus._publish  # always awaited here: publish()'s never-awaited check is moot
+        self._run_in_bus = context.run
+        # The first step of a publish runs in the caller unless the caller runs an event loop
+        # of its own (a notebook's), which is the thread's running one there.
+        fast = outside is None and outside_library is None
         set_loop = _set_running_loop
         exc: BaseException | None = None
         from_caller = False  # exc: the caller's, raised in its block (not in this loop)
         try:
-            if swap:
+            if swap_loop:
                 set_loop(outside)
+            if swap_library:
                 _library.name = outside_library
+            self._ready = fast
             request = to_caller(None)
-            if swap:
+            if swap_loop:
                 set_loop(loop)
+            if swap_library:
                 _library.name = library
             while True:
                 kind = type(request)
-                if kind is _Call:
+                if kind is _Continue:  # the rest of a publish the caller began
                     try:
-                        result = request.fn(*request.args, **request.kwargs)
-                        if inspect.isawaitable(result):
-                            result = await result
+                        await _drive(context, request.coro, request.yielded)
                     except Exception as error:
                         reply: Any = _Raise(error)
+                    else:
+                        reply = None
+                elif kind is _Call:
+                    try:
+                        result = context.run(request.fn, *request.args, **request.kwargs)
+                        if inspect.iscoroutine(result):
+                            result = await _drive(context, result)
+                        elif inspect.isawaitable(result):
+                            result = await result
+                    except Exception as error:
+                        reply = _Raise(error)
                     else:
                         reply = _Result(result)
                 elif kind is _Exit:
                     exc, from_caller = request.exc, True
                     break
+                elif kind is _Throw:
+                    raise request.exc  # ends the body below, as if raised in here
                 else:  # an event (publish checks it is one)
                     try:
-                        await publish(request)
+                        await _drive(context, publish(request))
                     except Exception as error:
                         reply = _Raise(error)
                     else:
                         reply = None
-                if swap:
+                if swap_loop:
                     set_loop(outside)
+                if swap_library:
                     _library.name = outside_library
                 request = to_caller(reply)
-                if swap:
+                if swap_loop:
                     set_loop(loop)
+                if swap_library:
                     _library.name = library
         except BaseException as body:
             # The body ends here: the second stop signal's cancellation, a KeyboardInterrupt
             # or SystemExit raised by a subscriber, or the bus dropped while open.
+            self._ready = False
             set_loop(loop)
             _library.name = library
             exc = body
+        self._ready = False
         try:
-            swallowed = await bus.__aexit__(
-                None if exc is None else type(exc),
-                exc,
-                None if exc is None else exc.__traceback__,
+            swallowed = await _drive(
+                context,
+                bus.__aexit__(
+                    None if exc is None else type(exc),
+                    exc,
+                    None if exc is None else exc.__traceback__,
+                ),
             )
         except BaseException as error:
             return _Closed(error, False, exc)
@@ -394,6 +518,7 @@ class SyncHookBus:
 
     def _closed(self) -> None:
         self._state = "closed"
+        self._ready = False
         self._switch = self._not_open
         if self._token is not None:
             try:
@@ -409,6 +534,12 @@ class SyncHookBus:
             "use it inside `with SyncHookBus() as bus:`"
         )
 
+    def _in_subscriber(self) -> bool:
+        """Whether a subscriber (or the bus's code) is what runs now: in the loop's greenlet,
+        or in the first step of a publish in the caller's, in the bus's context."""
+        current = _getcurrent()
+        return current is self._greenlet or (current is self._caller and _in_bus.get() is self)
+
     def _wrong_thread(self) -> RuntimeError:
         return RuntimeError(
             f"SyncHookBus: used from thread {threading.current_thread().name!r}; a bus is used "
@@ -423,6 +554,47 @@ class SyncHookBus:
         :class:`~recis_async.HookError` here, as does a background service that failed since
         the last publish.  Coroutine subscribers may wait (the loop runs until they are done).
         """
+        if not (self._ready and _getcurrent() is self._caller):
+            self._publish_switched(event)
+            return
+        # The first step in the caller, in the bus's context: most publishes end in it.
+        self._ready = False  # a subscriber publishing in there takes the nested path
+        try:
+            yielded = self._run_in_bus(self._send, event)
+        except Exception:
+            self._restart()
+            self._ready = True
+            raise  # a subscriber's HookError, a failed service's, a bad event: as `await`
+        except BaseException as exc:
+            self._restart()
+            request: Any = _Throw(exc)
+        else:
+            if yielded is _IDLE:
+                self._ready = True
+                return
+            request = _Continue(self._publisher, yielded)  # it waits: the loop runs the rest
+        self._ready = True  # before _settle, which clears it if the bus has closed
+        reply = self._to_loop(request)
+        if reply is not None:
+            self._restart()  # the publish raised, through the publisher
+            self._settle(reply)
+
+    def _new_publisher(self) -> Generator[Any, Any, None]:
+        publisher = _publisher(self._bus._publish)
+        publisher.send(None)  # to its first `yield`: runs none of the bus's code
+        return publisher
+
+    def _restart(self) -> None:
+        """A new publisher: the publish raised through the old one, which has ended."""
+        self._publisher = self._new_publisher()
+        self._send = self._publisher.send
+
+    def _publish_switched(self, event: Event) -> None:
+        """``publish`` through the loop's greenlet: the caller runs an event loop of its own
+        (or the bus is not open, or this is the wrong thread); or, nested, in a subscriber."""
+        if _getcurrent() is self._caller and _in_bus.get() is self:
+            self._publish_nested(event)  # a subscriber, in the first step of a publish
+            return
         try:
             reply = self._switch(event)
         except greenlet.error as exc:
@@ -434,8 +606,9 @@ class SyncHookBus:
                 self._settle(reply)
 
     def _publish_nested(self, event: Event) -> None:
-        """A subscriber publishing: it runs inside the loop, in a synchronous call, so the
-        publish runs to its end there or, if a coroutine subscriber must wait, is refused."""
+        """A subscriber publishing: it runs inside a publish (in its first step in the caller,
+        or in the loop), in a synchronous call, so the publish runs to its end there or, if a
+        coroutine subscriber must wait, is refused."""
         coro = self._bus.publish(event)
         try:
             coro.send(None)
@@ -451,8 +624,9 @@ class SyncHookBus:
 
     # ------------------------------------------------------------------ hooks and services
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)`` in the loop's greenlet when the bus is open (it may start a
-        service there), directly otherwise (inside a subscriber, or once closed: it refuses).
+        """``fn(*args, **kwargs)`` in the loop's greenlet, in the bus's context, when the bus is
+        open (it may start a service there); directly otherwise (inside a subscriber, or once
+        closed: it refuses).
 
         Before the bus is entered its loop does not exist yet, so ``fn`` (``add_hook``: the
         hook's ``attach``, which builds its services) runs here, with no event loop marked as
@@ -463,7 +637,7 @@ class SyncHookBus:
         if self._state == "new":
             with _outside_any_loop():
                 return fn(*args, **kwargs)
-        if self._state != "open" or greenlet.getcurrent() is self._greenlet:
+        if self._state != "open" or self._in_subscriber():
             return fn(*args, **kwargs)
         return self._settle(self._to_loop(_Call(fn, args, kwargs)))
 

@@ -8,6 +8,7 @@ which raises on a loop call from the wrong thread or outside the loop.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
 import signal
 import subprocess
@@ -236,6 +237,17 @@ def test_a_subscriber_publishing_nested(backend: str) -> None:
         bus.publish(Ping())
         assert got == ["pong"]
 
+        class Later(Event):
+            pass
+
+        async def after_a_wait(ev: Later) -> None:  # then in the loop, not in the caller
+            await anyio.sleep(0.001)
+            bus.publish(Pong())
+
+        bus.subscribe(Later, after_a_wait)
+        bus.publish(Later())
+        assert got == ["pong", "pong"]
+
         class Slow(Event):
             pass
 
@@ -246,6 +258,131 @@ def test_a_subscriber_publishing_nested(backend: str) -> None:
         bus.subscribe(Pong, lambda ev: bus.publish(Slow()))
         with pytest.raises(HookError, match="a coroutine subscriber of it had to wait"):
             bus.publish(Pong())
+
+
+_where: contextvars.ContextVar[str] = contextvars.ContextVar("where", default="unset")
+
+
+def test_subscribers_see_the_loop_and_one_context_whether_or_not_they_wait(backend: str) -> None:
+    """A publish runs in the caller until a subscriber waits, then in the loop: subscribers
+    see the bus's loop either way (anyio, sniffio), and one context, whose variables hold
+    across a coroutine subscriber's wait and from one publish to the next."""
+    seen: list[Any] = []
+
+    class Step(Event):
+        wait: bool = False
+
+    with sync_bus(backend) as bus:
+
+        @bus.on(Step)
+        def plain(ev: Step) -> None:
+            seen.append((sniffio.current_async_library(), anyio.current_time() > 0))
+            seen.append(("before", _where.get()))
+
+        @bus.on(Step)
+        async def maybe_waits(ev: Step) -> None:
+            token = _where.set(f"set at {ev.wait}")
+            if ev.wait:
+                await anyio.sleep(0.001)
+            seen.append(("after", _where.get()))
+            _where.reset(token)  # a token of the same context, wait or not
+            _where.set(f"left at {ev.wait}")
+
+        bus.publish(Step())
+        bus.publish(Step(wait=True))
+        bus.publish(Step())
+    assert _where.get() == "unset"  # the caller's own context is not the subscribers'
+    assert seen == [
+        (backend, True),
+        ("before", "unset"),
+        ("after", "set at False"),
+        (backend, True),
+        ("before", "left at False"),
+        ("after", "set at True"),
+        (backend, True),
+        ("before", "left at True"),
+        ("after", "set at False"),
+    ]
+
+
+def test_failures_before_and_after_a_wait_leave_the_bus_usable(backend: str) -> None:
+    class Step(Event):
+        fail: str = ""
+
+    calls: list[str] = []
+    with sync_bus(backend) as bus:
+
+        @bus.on(Step)
+        async def sometimes(ev: Step) -> None:
+            if ev.fail == "waited":
+                await anyio.sleep(0.001)
+            if ev.fail:
+                raise ValueError(ev.fail)
+            calls.append("ok")
+
+        for how in ("", "at once", "", "waited", "", "at once", "waited", ""):
+            if how:
+                with pytest.raises(HookError, match=f"ValueError: {how}"):
+                    bus.publish(Step(fail=how))
+            else:
+                bus.publish(Step())
+    assert calls == ["ok"] * 4
+
+
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, SystemExit])
+def test_a_subscribers_keyboard_interrupt_or_system_exit_ends_the_run(
+    backend: str, raised: type[BaseException]
+) -> None:
+    """Raised by a plain subscriber (in the caller) or by one that waited (in the loop): the
+    body ends with it, ``Error`` and ``End`` are published, and it propagates."""
+    for wait in (False, True):
+        log: list[Any] = []
+
+        async def interrupts(ev: BeforeStep, wait: bool = wait) -> None:
+            if wait:
+                await anyio.sleep(0.001)
+            if ev.global_step == 1:
+                raise raised()
+
+        with pytest.raises(raised):
+            with sync_bus(backend) as bus:
+                bus.add_hook(Recorder(log))
+                bus.subscribe(BeforeStep, interrupts)
+                for step in range(3):
+                    bus.publish(BeforeStep(global_step=step))
+                log.append("not reached")
+        assert log == [
+            ("BeforeStep", 0),
+            ("BeforeStep", 1),
+            ("Error", raised.__name__),
+            ("End", "failed"),
+        ]
+        with pytest.raises(RuntimeError, match="it is closed"):
+            bus.publish(BeforeStep(global_step=3))
+
+
+def test_a_subscriber_adds_a_hook_or_requests_a_stop_but_cannot_close(backend: str) -> None:
+    log: list[Any] = []
+    with sync_bus(backend) as bus:
+
+        @bus.on(BeforeStep, when=lambda ev: ev.global_step == 0)
+        def adds(ev: BeforeStep) -> None:
+            bus.add_hook(Recorder(log))  # it gets the next events
+
+        @bus.on(BeforeStep, priority=Priority.LOWEST, when=lambda ev: ev.global_step == 1)
+        def closes(ev: BeforeStep) -> None:
+            bus.close()
+
+        @bus.on(BeforeStep, when=lambda ev: ev.global_step == 2)
+        def stops(ev: BeforeStep) -> None:
+            bus.request_stop("from a subscriber")
+
+        bus.publish(BeforeStep(global_step=0))
+        with pytest.raises(HookError, match="closing from inside a subscriber"):
+            bus.publish(BeforeStep(global_step=1))
+        bus.publish(BeforeStep(global_step=2))
+        assert bus.should_stop and bus.stop_reason == "from a subscriber"
+    assert log == [("BeforeStep", 1), ("BeforeStep", 2), ("End", "ok")]
 
 
 def test_another_event_loop_runs_before_after_or_beside_the_block(backend: str) -> None:
