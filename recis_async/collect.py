@@ -71,7 +71,8 @@ class StepCollector:
         :meth:`~recis_async.hostcopy.HostBufferPool.next_step`)."""
         taken = (self.metrics, self.trace, self.tracked, self.reduce)
         self.metrics, self.trace, self.tracked, self.reduce = {}, {}, {}, {}
-        self.host.next_step()
+        if self.host.busy:  # a job on the CPU never copies: nothing to hand over
+            self.host.next_step()
         return taken
 
     def drop(self) -> None:
