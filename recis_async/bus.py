@@ -711,10 +711,15 @@ class HookBus:
         metrics, trace, tracked, reduce = self._collector.take()
         merged: AfterStep = event.__copy__()  # type: ignore[attr-defined]  # C, unstubbed
         fill = msgspec.structs.force_setattr
-        fill(merged, "metrics", {**metrics, **event.metrics} if event.metrics else metrics)
-        fill(merged, "trace", {**trace, **event.trace} if event.trace else trace)
-        fill(merged, "tracked", {**tracked, **event.tracked} if event.tracked else tracked)
-        fill(merged, "reduce", {**reduce, **event.reduce} if event.reduce else reduce)
+        # a field nothing was collected for keeps the event's own (frozen, shared) value
+        if metrics:
+            fill(merged, "metrics", {**metrics, **event.metrics} if event.metrics else metrics)
+        if trace:
+            fill(merged, "trace", {**trace, **event.trace} if event.trace else trace)
+        if tracked:
+            fill(merged, "tracked", {**tracked, **event.tracked} if event.tracked else tracked)
+        if reduce:
+            fill(merged, "reduce", {**reduce, **event.reduce} if event.reduce else reduce)
         return merged
 
     # ------------------------------------------------------------------ control

@@ -4,6 +4,14 @@ They write into the collector of the bus open in the current context (a contextv
 ``async with HookBus()``).  The next published ``AfterStep`` carries what was collected and the
 collector is cleared, so nothing leaks from one step (or from training into evaluation) to the
 next.  There is no module-level mutable state: the RecIS global trace/metric maps are gone.
+
+A tensor on a device (a GPU) is never read at the call: it is kept as a device copy
+(``add_metric``) or copied to the host without waiting (``add_to_trace``,
+``add_to_ml_tracker``; see :mod:`recis_async.hostcopy`).  A CPU tensor's values are in host
+memory already -- its ops have run by the time it is passed, so reading it waits for nothing --
+and it is read at the call instead: one element as its number, more as a numpy copy, which
+costs the step far less than a tensor copy does here and in every hook after it
+(benchmarks/README.md, "CPU tensors read at the call").
 """
 
 from __future__ import annotations
@@ -11,7 +19,7 @@ from __future__ import annotations
 import functools
 from contextvars import ContextVar, Token
 from numbers import Number
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import torch
@@ -63,7 +71,8 @@ class StepCollector:
         :meth:`~recis_async.hostcopy.HostBufferPool.next_step`)."""
         taken = (self.metrics, self.trace, self.tracked, self.reduce)
         self.metrics, self.trace, self.tracked, self.reduce = {}, {}, {}, {}
-        self.host.next_step()
+        if self.host.busy:  # a job on the CPU never copies: nothing to hand over
+            self.host.next_step()
         return taken
 
     def drop(self) -> None:
@@ -75,6 +84,11 @@ class StepCollector:
                     value.release()
         self.metrics, self.trace, self.tracked, self.reduce = {}, {}, {}, {}
 
+
+#: Whether the collectors read CPU tensors at the call (see the module).  Tests that stand the
+#: CPU in for a GPU, to check that the step reads no device value, set it false for their run
+#: (``tests/host_reads.py``); nothing else changes it.
+READ_CPU_AT_CALL: Final = True
 
 _current: ContextVar[StepCollector | None] = ContextVar("recis_async_collector", default=None)
 
@@ -148,12 +162,13 @@ def add_metric(name: str, value: Any, reduce: Reduction = "mean") -> None:
     only with ``reduce="last"`` or a callable, which can combine them; anything else is
     refused here, naming the metric and the type.
 
-    A tensor is kept as ``value.detach().clone()`` on its own device, of any shape and numeric
-    dtype (``bfloat16``/``float16`` included): a device copy, never a read of its value, so
-    later in-place updates do not leak and the step does not wait for the device.  Hooks
-    accumulate it on its device and read it once per window, off the step (float32 for the
-    half-precision types; one element as a number, more as a numpy array).  Numbers, numpy
-    arrays and lists are kept on the host as before.
+    A tensor on a device is kept as ``value.detach().clone()`` on that device, of any shape
+    and numeric dtype (``bfloat16``/``float16`` included): a device copy, never a read of its
+    value, so later in-place updates do not leak and the step does not wait for the device.
+    Hooks accumulate it on its device and read it once per window, off the step (float32 for
+    the half-precision types; one element as a number, more as a numpy array).  A CPU tensor
+    waits for nothing to be read, and is recorded as that number or array at the call.
+    Numbers, numpy arrays and lists are kept on the host as they are.
 
     ``reduce`` says how the values of an evaluation pass combine into ``AfterEval.metrics``
     (Lightning's ``reduce_fx``): ``"mean"`` (weighted by ``AfterStep.samples``), ``"sum"``,
@@ -170,8 +185,10 @@ def add_metric(name: str, value: Any, reduce: Reduction = "mean") -> None:
             _check_metric_tensor(name, value)
         elif value.dtype not in metric_dtypes():
             _check_metric_tensor(name, value)
-        # a tensor without grad (the usual ``loss.detach()``) needs no second detach
-        value = (value.detach() if value.requires_grad else value).clone()
+        if value.is_cpu and READ_CPU_AT_CALL:  # host memory: the read waits for nothing
+            value = value.item() if value.numel() == 1 else _host_array("add_metric", name, value)
+        else:  # a tensor without grad (the usual ``loss.detach()``) needs no second detach
+            value = (value.detach() if value.requires_grad else value).clone()
     elif type(value) is not float and type(value) is not int:  # the common case, kept cheap
         value = _metric_value(name, value, reduce)
     collector.metrics[name] = value
@@ -179,6 +196,14 @@ def add_metric(name: str, value: Any, reduce: Reduction = "mean") -> None:
         collector.reduce[name] = reduce
     elif collector.reduce:
         collector.reduce.pop(name, None)
+
+
+def _host_array(caller: str, name: str, value: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values as an owned numpy array; float32 for the half-precision types,
+    as a window reads them."""
+    if value.dtype in (torch.bfloat16, torch.float16):
+        value = value.detach().float()
+    return _tensor_copy(caller, name, value)
 
 
 def _check_metric_tensor(name: str, value: torch.Tensor) -> None:
@@ -225,9 +250,10 @@ def add_to_trace(name: str, value: Any) -> None:
     or list, one entry per row.  The value is the one at this call: later in-place updates do
     not leak.
 
-    A tensor, on any device, starts a non-blocking copy into a host buffer of the bus's pool
-    and is recorded as a :class:`~recis_async.hostcopy.HostCopy` (resolved off the step; see
-    :mod:`recis_async.hostcopy`); numpy arrays and lists are copied as numpy arrays.
+    A tensor on a device starts a non-blocking copy into a host buffer of the bus's pool and
+    is recorded as a :class:`~recis_async.hostcopy.HostCopy` (resolved off the step; see
+    :mod:`recis_async.hostcopy`); a CPU tensor (nothing to wait for), numpy arrays and lists
+    are copied as numpy arrays (``bfloat16`` as ``float32``).
 
     A column is recorded once per step: a second call with the same name before the step's
     ``AfterStep`` is refused (it would silently replace the first).  A masked numpy array is
@@ -251,9 +277,11 @@ def add_to_trace(name: str, value: Any) -> None:
             raise ValueError(
                 f"add_to_trace({name!r}): expected one entry per row (1-D or 2-D), got a scalar"
             )
-        collector.trace[name] = _host_copy(collector, "add_to_trace", name, value)
-        return
-    if isinstance(value, np.ma.MaskedArray):
+        if not (value.is_cpu and READ_CPU_AT_CALL):
+            collector.trace[name] = _host_copy(collector, "add_to_trace", name, value)
+            return
+        array = _tensor_copy("add_to_trace", name, value)
+    elif isinstance(value, np.ma.MaskedArray):
         array = _unmasked(name, value)
     elif isinstance(value, np.ndarray):
         array = value.copy()
@@ -333,10 +361,10 @@ def _resolved(dtype: torch.dtype) -> Any:
 
 def add_to_ml_tracker(name: str, value: Any) -> None:
     """Record a value for the experiment tracker (``AfterStep.tracked``): a number, tensor,
-    numpy array or list; arrays become lists.  A tensor, on any device, is copied to the host
+    numpy array or list; arrays become lists.  A tensor on a device is copied to the host
     without waiting (a :class:`~recis_async.hostcopy.HostCopy`, as for :func:`add_to_trace`)
     and converted to the tracker's float off the step: one element as a number, more as an
-    array."""
+    array; a CPU tensor (nothing to wait for) is converted at the call."""
     collector = current_collector("add_to_ml_tracker")
     if type(name) is not str or not name:
         _check_name("add_to_ml_tracker", name)
@@ -348,11 +376,14 @@ def add_to_ml_tracker(name: str, value: Any) -> None:
         resolved = _resolved(value.dtype)
         if resolved is not None and resolved.kind not in "biuf":
             raise ValueError(
-                f"add_to_ml_tracker({name!r}): expected a tensor of real numbers, "
-                f"got {value.dtype}"
+                f"add_to_ml_tracker({name!r}): expected a tensor of real numbers, got {value.dtype}"
             )
-        collector.tracked[name] = _host_copy(collector, "add_to_ml_tracker", name, value)
-        return
+        if not (value.is_cpu and READ_CPU_AT_CALL):
+            collector.tracked[name] = _host_copy(collector, "add_to_ml_tracker", name, value)
+            return
+        if value.numel() == 1:  # the common case (a loss): its number
+            collector.tracked[name] = value.item()
+            return
     converted = _scalar_or_array("add_to_ml_tracker", name, value)
     if isinstance(converted, np.ndarray):
         converted = converted.tolist()

@@ -562,6 +562,12 @@ class HostBufferPool:
                 )
 
     @property
+    def busy(self) -> bool:
+        """Whether any copy holds a buffer or waits to be handed over (else :meth:`next_step`
+        has nothing to do)."""
+        return bool(self._outstanding or self._this_step or self._finished or self._parked)
+
+    @property
     def full(self) -> bool:
         """Whether the buffers held exceed the bound (the step should :meth:`make_room`)."""
         return self._held > self.max_bytes

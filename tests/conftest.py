@@ -25,6 +25,27 @@ def anyio_backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+@pytest.fixture
+def device_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The collectors treat CPU tensors as a GPU's: kept unread, copied to the host off the
+    step (``recis_async.collect.READ_CPU_AT_CALL``), so that a CPU-only machine runs the
+    logic a GPU runs."""
+    from recis_async import collect
+
+    monkeypatch.setattr(collect, "READ_CPU_AT_CALL", False)
+
+
+@pytest.fixture(params=["cpu", "device"])
+def tensor_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways a collected tensor goes: read at the call (a CPU tensor) and copied off the
+    step (a GPU's, as :func:`device_path` makes the CPU's)."""
+    if request.param == "device":
+        from recis_async import collect
+
+        monkeypatch.setattr(collect, "READ_CPU_AT_CALL", False)
+    return str(request.param)
+
+
 @pytest.fixture(scope="session")
 def shared_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The suite's stand-in for the system temp folder (``TMPDIR``, subprocesses included),

@@ -7,6 +7,9 @@ CPU-only machine any ``to("cpu")``), ``__float__``, ``__int__``, ``__bool__``, `
 ``__array__`` and ``__format__`` of a tensor is recorded with the label set in ``reads.where``
 (say, the step being run), and the call's place in the source.  The mode is per thread: reads in
 a worker thread (a window read off the step) are not counted, as they do not hold the step.
+While recording, the collectors (``add_metric`` and friends) treat CPU tensors as a GPU's: kept
+unread, copied off the step (``recis_async.collect.READ_CPU_AT_CALL``), so that a CPU-only
+machine checks the path a GPU takes.
 
 Usage::
 
@@ -26,6 +29,8 @@ from typing import Any, NamedTuple
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from recis_async import collect
 
 __all__ = ["HostReads", "Read"]
 
@@ -59,6 +64,18 @@ class HostReads(TorchFunctionMode):
         super().__init__()
         self.reads: list[Read] = []
         self.where: Any = None
+        self._read_cpu_at_call: list[bool] = []
+
+    def __enter__(self) -> HostReads:
+        self._read_cpu_at_call.append(collect.READ_CPU_AT_CALL)
+        setattr(collect, "READ_CPU_AT_CALL", False)  # noqa: B010  # a Final, patched for the test
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            setattr(collect, "READ_CPU_AT_CALL", self._read_cpu_at_call.pop())  # noqa: B010
 
     def __torch_function__(
         self,

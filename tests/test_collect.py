@@ -14,7 +14,7 @@ from recis_async.window import read_values
 pytestmark = pytest.mark.anyio
 
 
-async def test_collected_values_attach_to_the_next_after_step_then_clear() -> None:
+async def test_collected_values_attach_to_the_next_after_step_then_clear(tensor_path: str) -> None:
     seen: list[AfterStep] = []
     async with HookBus() as bus:
         bus.subscribe(AfterStep, seen.append)
@@ -28,10 +28,16 @@ async def test_collected_values_attach_to_the_next_after_step_then_clear() -> No
         await bus.publish(AfterStep(global_step=0, metrics={"lr": 0.1}))
         await bus.publish(AfterStep(global_step=1))
     first, second = seen
-    assert isinstance(first.metrics["loss"], torch.Tensor)  # kept on its device, not read
+    if tensor_path == "device":
+        assert isinstance(first.metrics["loss"], torch.Tensor)  # kept on its device, not read
+        # tensors reach AfterStep as host copies (issue 23), read with np.asarray
+        assert isinstance(first.trace["user_id"], HostCopy)
+    else:  # a CPU tensor waits for nothing: read at the call
+        assert first.metrics["loss"] == 0.5 and type(first.metrics["loss"]) is float
+        assert type(first.trace["user_id"]) is np.ndarray
+        assert not first.trace["user_id"].flags.writeable
+        assert first.tracked["hist"] == [1.0, 2.0]
     assert read_values(first.metrics) == {"loss": 0.5, "lr": 0.1}
-    # tensors reach AfterStep as host copies (issue 23), read with np.asarray
-    assert isinstance(first.trace["user_id"], HostCopy)
     assert np.asarray(first.trace["user_id"]).tolist() == [1, 2, 3]
     assert np.asarray(first.trace["emb"]).tolist() == [[0, 1], [2, 3], [4, 5]]
     assert first.tracked["auc"] == 0.75
@@ -192,22 +198,31 @@ async def test_add_metric_refuses_what_is_not_a_number_tensor_or_array() -> None
             add_metric("tag", None, reduce="last")
 
 
-async def test_add_metric_keeps_numbers_and_converts_tensors_arrays_and_lists() -> None:
+async def test_add_metric_keeps_numbers_and_converts_tensors_arrays_and_lists(
+    tensor_path: str,
+) -> None:
     seen: list[AfterStep] = []
     async with HookBus() as bus:
         bus.subscribe(AfterStep, seen.append)
         add_metric("flag", True)
         add_metric("n", np.int64(3))
-        add_metric("half", torch.tensor([1.0, 2.0], dtype=torch.bfloat16))
+        half = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
+        add_metric("half", half)
         add_metric("grad", torch.tensor(0.5, requires_grad=True))
         add_metric("xs", [0.1, 0.2])
+        add_metric("count", torch.tensor([7]))
+        half.add_(1)  # in-place change after collection must not leak
         await bus.publish(AfterStep())
     kept = seen[0].metrics
-    assert kept["half"].dtype == torch.bfloat16 and not kept["grad"].requires_grad
+    if tensor_path == "device":  # kept on the device, unread
+        assert kept["half"].dtype == torch.bfloat16 and not kept["grad"].requires_grad
+    else:  # read at the call: numbers, and owned float32 arrays for the half types
+        assert type(kept["grad"]) is float and kept["count"] == 7 and type(kept["count"]) is int
+        assert type(kept["half"]) is np.ndarray and kept["half"].dtype == np.float32
     metrics = read_values(kept)  # as a hook reads them, off the step
     assert metrics["flag"] is True and metrics["n"] == 3 and metrics["grad"] == 0.5
     assert metrics["half"].dtype == np.float32 and metrics["half"].tolist() == [1.0, 2.0]
-    assert metrics["xs"].tolist() == [0.1, 0.2]
+    assert metrics["xs"].tolist() == [0.1, 0.2] and metrics["count"] == 7
 
 
 async def test_tensors_without_readable_values_are_refused_naming_the_call() -> None:

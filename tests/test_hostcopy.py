@@ -17,6 +17,9 @@ from recis_async import HookBus, add_to_ml_tracker, add_to_trace
 from recis_async.events import AfterStep
 from recis_async.hostcopy import HostBufferPool, HostCopy, resolved_dtype
 
+# A GPU's path: the collectors copy CPU tensors through the pool as they would a device's.
+pytestmark = pytest.mark.usefixtures("device_path")
+
 
 def test_a_copy_knows_its_metadata_and_holds_the_value_at_the_call() -> None:
     pool = HostBufferPool(1 << 20)
@@ -58,7 +61,11 @@ def test_views_grad_conjugate_and_empty_tensors_are_copied_as_their_values() -> 
     pool = HostBufferPool()
     weights = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
     assert pool.copy(weights).resolve().tolist() == [1.0, 2.0]
-    assert pool.copy(torch.arange(6).reshape(2, 3).t()).resolve().tolist() == [[0, 3], [1, 4], [2, 5]]
+    assert pool.copy(torch.arange(6).reshape(2, 3).t()).resolve().tolist() == [
+        [0, 3],
+        [1, 4],
+        [2, 5],
+    ]
     assert pool.copy(torch.tensor([1 + 2j]).conj()).resolve().tolist() == [1 - 2j]
     empty = pool.copy(torch.zeros(0, 3))
     assert empty.resolved and empty.resolve().shape == (0, 3)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pyarrow.dataset as pads
 import pytest
 import torch
@@ -94,7 +93,9 @@ def read_trace(root: Path) -> dict[str, list[object]]:
     return {f: table.column(f).to_pylist() for f in FIELDS}
 
 
-async def test_traced_tensors_of_every_dtype_read_back_equal_from_parquet(tmp_path: Path) -> None:
+async def test_traced_tensors_of_every_dtype_read_back_equal_from_parquet(
+    tmp_path: Path, tensor_path: str
+) -> None:
     await run_loop(tmp_path, 12)
     got, want = read_trace(tmp_path), expected_rows(12)
     assert got["step"] == want["step"] and got["i64"] == want["i64"]
@@ -102,7 +103,9 @@ async def test_traced_tensors_of_every_dtype_read_back_equal_from_parquet(tmp_pa
         assert got[name] == want[name], name  # float32/64 columns hold these values exactly
 
 
-async def test_tracked_tensors_read_back_equal_from_jsonl_and_tensorboard(tmp_path: Path) -> None:
+async def test_tracked_tensors_read_back_equal_from_jsonl_and_tensorboard(
+    tmp_path: Path, tensor_path: str
+) -> None:
     from tensorboard.backend.event_processing import event_accumulator
 
     result = await run_loop(tmp_path, 5)
@@ -123,7 +126,9 @@ async def test_tracked_tensors_read_back_equal_from_jsonl_and_tensorboard(tmp_pa
     for name in ("loss", "loss_bf16", "loss_f16"):
         points = acc.Scalars(name)
         assert [p.step for p in points] == list(range(5))
-        assert [p.value for p in points] == [tracked_values(s)[name].float().item() for s in range(5)]
+        assert [p.value for p in points] == [
+            tracked_values(s)[name].float().item() for s in range(5)
+        ]
     hist = acc.Histograms("hist")
     assert [h.step for h in hist] == list(range(5))
     assert [h.histogram_value.max for h in hist] == [
@@ -131,6 +136,7 @@ async def test_tracked_tensors_read_back_equal_from_jsonl_and_tensorboard(tmp_pa
     ]
 
 
+@pytest.mark.usefixtures("device_path")
 async def test_a_small_pool_back_pressures_and_every_row_arrives_once(tmp_path: Path) -> None:
     # a step copies 6 * (8 + 4 + 2 + 2 + 8 + 6) = 180 bytes of trace and 26 of tracked
     # values: a pool of 128 bytes is over its bound within every step
@@ -180,7 +186,8 @@ async def test_the_step_thread_reads_no_tensor_value_on_ordinary_steps(tmp_path:
     assert per_step == [0] * 30, counter.reads
     table = pads.dataset(tmp_path / "pq" / "t", format="parquet").to_table()
     assert table.num_rows == 30 * 16
-    assert [r.step for r in read_records(tracker.tracker.run_dir / "metrics.jsonl")] == list(range(30))  # type: ignore[attr-defined]
+    run_dir = tracker.tracker.run_dir  # type: ignore[attr-defined]
+    assert [r.step for r in read_records(run_dir / "metrics.jsonl")] == list(range(30))
 
 
 def test_host_copies_are_checked_against_the_table_by_their_metadata() -> None:
@@ -188,7 +195,9 @@ def test_host_copies_are_checked_against_the_table_by_their_metadata() -> None:
     from recis_async.trace.buffer import ColumnBuffer
 
     pool = HostBufferPool()
-    buffer = ColumnBuffer(["id", "small", "emb", "flag"], ["bigint", "int", "array<float>", "boolean"])
+    buffer = ColumnBuffer(
+        ["id", "small", "emb", "flag"], ["bigint", "int", "array<float>", "boolean"]
+    )
 
     def step(**columns: torch.Tensor) -> dict[str, object]:
         base = {
@@ -206,8 +215,14 @@ def test_host_copies_are_checked_against_the_table_by_their_metadata() -> None:
     bad = [
         ({"id": torch.ones(3)}, r"field 'id' \(bigint\): expected integer values, got float32"),
         ({"emb": torch.ones(3)}, r"field 'emb' \(array<float>\): expected a 2-D"),
-        ({"small": torch.tensor([0, 1, 2**40])}, r"field 'small' \(int\): expected values within int range"),
-        ({"flag": torch.arange(3) + 5}, r"field 'flag' \(boolean\): expected bool values \(or 0/1\), got 5"),
+        (
+            {"small": torch.tensor([0, 1, 2**40])},
+            r"field 'small' \(int\): expected values within int range",
+        ),
+        (
+            {"flag": torch.arange(3) + 5},
+            r"field 'flag' \(boolean\): expected bool values \(or 0/1\), got 5",
+        ),
         ({"id": torch.arange(4)}, r"expected 3 rows \(from 'small'\)|same number of rows"),
     ]
     for columns, message in bad:

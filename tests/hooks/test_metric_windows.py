@@ -109,14 +109,13 @@ async def test_nan_tensor_fails_exactly_lag_steps_later() -> None:
             bus.subscribe(AfterStep, lambda e: seen.append(e.global_step))
             await run(bus, counter, losses, extra=False)
     assert isinstance(info.value.__cause__, NanLossError)
-    assert "NaN/inf loss nan ('loss') at global_step 3 (found at global_step 5)" in str(
-        info.value
-    )
+    assert "NaN/inf loss nan ('loss') at global_step 3 (found at global_step 5)" in str(info.value)
     assert seen == [0, 1, 2, 3, 4]  # step 5's publish failed: k + lag with lag 2
     # no read on steps 0..4; step 5 reads the failing loss once, to name it
     assert [r.where for r in counter.reads if r.where is not None] == [5]
 
 
+@pytest.mark.usefixtures("device_path")
 @pytest.mark.parametrize("lag", [1, 2, 3])
 async def test_nan_tensor_stop_is_requested_at_step_k_plus_lag(lag: int) -> None:
     losses = [0.5, 0.4, math.inf, 0.3, 0.2, 0.1, 0.05]
@@ -147,6 +146,24 @@ async def test_nan_tensor_strict_acts_on_its_step_reading_every_step() -> None:
     assert steps[:3] == [0, 1, 1]  # the documented synchronization, and the value named
 
 
+@pytest.mark.parametrize("lag", [1, 2])
+async def test_a_cpu_loss_is_read_at_the_call_and_a_nan_caught_on_its_step(lag: int) -> None:
+    """A CPU tensor waits for nothing: the collector reads it, and the hook acts at once."""
+    stopped_at: list[int] = []
+    async with HookBus() as bus:
+        bus.add_hook(NanTensorHook(fail_on_nan_loss=False, lag=lag))
+        await bus.publish(Start())
+        for g, value in enumerate([0.5, 0.4, math.inf, 0.3, 0.2]):
+            add_metric("loss", torch.tensor(value))
+            await bus.publish(AfterStep(global_step=g))
+            if bus.should_stop:
+                stopped_at.append(g)
+                break
+        assert bus.stop_reason == "NanTensorHook: NaN/inf loss inf ('loss') at global_step 2"
+    assert stopped_at == [2]
+
+
+@pytest.mark.usefixtures("device_path")
 async def test_nan_in_the_last_steps_is_caught_when_training_ends() -> None:
     with pytest.raises(
         HookError, match=r"NaN/inf loss nan \('loss'\) at global_step 2 \(found at global_step 3\)"
