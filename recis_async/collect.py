@@ -339,11 +339,10 @@ def _list_array(value: list[Any] | tuple[Any, ...]) -> np.ndarray:
 
 
 def _tensor_copy(caller: str, name: str, value: torch.Tensor) -> np.ndarray:
-    """A numpy copy of any tensor: detached, on the CPU, conjugation and negation resolved."""
-    _check_tensor(caller, name, value)
-    value = value.detach()
+    """A numpy copy of a checked tensor (see :func:`_check_tensor`): detached, on the CPU,
+    conjugation and negation resolved (``numpy(force=True)`` does all three)."""
     if value.dtype is torch.bfloat16:  # no numpy dtype: float32 holds every bfloat16 exactly
-        value = value.float()
+        value = value.detach().float()
     try:
         return value.numpy(force=True).copy()
     except TypeError:  # no numpy dtype (a float8 tensor, say)
