@@ -10,6 +10,8 @@ run in a copy of the caller's context, as ``to_thread`` does.
   thread (:meth:`Call.wait`, :meth:`Call.result`).
 * :func:`run_sync` -- await such a call from async code, on asyncio or trio, optionally
   abandoning it when the awaiting task is cancelled.
+* :func:`wait` -- await the end of a :class:`Call` started earlier, at most a given time;
+  cancelling the awaiting task ends the wait at once, never the call.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any, Generic, TypeVar
 import anyio
 import anyio.lowlevel
 
-__all__ = ["Call", "run_sync"]
+__all__ = ["Call", "run_sync", "wait"]
 
 T = TypeVar("T")
 
@@ -97,6 +99,18 @@ def _wake_soon(event: anyio.Event) -> Callable[[], object]:
             pass
 
     return wake
+
+
+async def wait(call: Call[Any], timeout: float | None = None) -> bool:
+    """Wait until ``call`` has ended, at most ``timeout`` seconds (``None``: without limit);
+    return whether it has.  No thread waits: the call's own thread wakes this task.  A
+    cancellation of the waiting task ends the wait at once; the call runs on."""
+    if not call.done:
+        done = anyio.Event()
+        call._on_done(_wake_soon(done))
+        with anyio.move_on_after(timeout):
+            await done.wait()
+    return call.done
 
 
 async def run_sync(

@@ -11,7 +11,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from recis_async._threads import Call, run_sync
+from recis_async._threads import Call, run_sync, wait
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,6 +63,21 @@ async def test_a_cancelled_call_is_abandoned_or_waited_for() -> None:
         await run_sync(blocks)  # not abandoned: waits for the call, then is cancelled
     assert ended.is_set() and scope.cancelled_caught
     assert time.monotonic() - t0 >= 0.25
+
+
+@pytest.mark.anyio
+async def test_wait_for_a_call_times_out_or_is_cancelled_without_ending_the_call() -> None:
+    gate = threading.Event()
+    call = Call(gate.wait, 10)
+    assert await wait(call, 0.05) is False  # timed out; the call runs on
+    with anyio.move_on_after(0.05) as scope:
+        await wait(call)
+    assert scope.cancelled_caught and not call.done
+    threading.Timer(0.05, gate.set).start()
+    with anyio.fail_after(5):
+        assert await wait(call) is True
+    assert call.result() is True
+    assert await wait(call, 0) is True  # ended already: at once
 
 
 def test_call_waits_with_a_timeout_and_hands_back_the_result() -> None:

@@ -166,10 +166,13 @@ class ParquetSink:
             pattern = re.compile(rf"part-{rank}-(\d+)\.parquet\Z")
             taken = [int(m.group(1)) for p in names if (m := pattern.match(p))]
             # An existing folder the process cannot write (permissions, a read-only mount) is
-            # found here, when the bus starts, not at the first batch minutes later.
+            # found here, when the bus starts, not at the first batch minutes later.  A probe
+            # whose removal failed, or whose process was killed between these two lines, is
+            # removed by this rank's next open (_remove_leftovers); that sweep may take this
+            # one too (another sink of this rank on this folder), hence missing_ok.
             probe = directory / f".probe-{rank}-{uuid.uuid4().hex}.tmp"
             probe.touch(exist_ok=False)
-            probe.unlink()
+            probe.unlink(missing_ok=True)
         except OSError as exc:
             raise self._error(exc, f"cannot prepare {directory}") from None
         self._remove_leftovers(directory, names, rank)
@@ -245,12 +248,14 @@ class ParquetSink:
 
     def _remove_leftovers(self, directory: Path, names: list[str], rank: int) -> None:
         """Remove this rank's temporary files left by a run killed mid-write (``kill -9``):
-        never published, so no reader counts them, but they hold disk space.  Named in the
-        log; one that cannot be removed is named too."""
-        prefix, suffix = f".part-{rank}-", ".parquet.tmp"
+        never published, so no reader counts them, but they hold disk space; and the
+        writability probes of an open killed before it removed its probe (a daemon thread
+        ended by the process's exit) or whose removal failed.  Named in the log; one that
+        cannot be removed is named too."""
+        leftovers = ((f".part-{rank}-", ".parquet.tmp"), (f".probe-{rank}-", ".tmp"))
         removed, kept = [], []
         for name in names:
-            if name.startswith(prefix) and name.endswith(suffix):
+            if any(name.startswith(p) and name.endswith(s) for p, s in leftovers):
                 try:
                     (directory / name).unlink()
                     removed.append(name)

@@ -15,7 +15,11 @@ and raises :class:`TraceDeliveryError` with the counts and the spill files.
 
 An upload abandoned at the deadline or by cancellation never commits afterwards; one that
 was already committing is waited for (up to ``commit_wait`` seconds) so its outcome is known
-before the batch is retried or spilled.
+before the batch is retried or spilled.  The sink's open, begun when the bus starts, is waited
+for by close too (until its deadline, and at least :data:`_OPEN_WAIT_S`), so a slow open
+ends -- its probe file removed, the sink closed -- before close returns; only an open still
+running then (an endpoint that does not answer) is abandoned, with a warning naming the sink,
+and its thread closes the sink if it ends later.
 
 Nothing here waits forever or dies silently.  A ``send`` that finds no room waits at most
 ``send_timeout`` seconds (then the batch is spilled instead), and not past a stop request:
@@ -70,6 +74,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_SEND_TIMEOUT = 60.0
 #: the folder under the system temp dir used when every spill directory refused a batch
 _TEMP_SPILL = "recis_async-spill"
+#: the least time close waits for a sink's open still under way, also past its deadline (as
+#: the tracker service waits for an abandoned ``tracker.log`` call, ``_CALL_WAIT_S``); well
+#: inside the bus's grace for a service that overruns its deadline (``_CLOSE_GRACE_S``)
+_OPEN_WAIT_S = 1.0
 
 
 class TraceRowsLostError(TraceDeliveryError):
@@ -274,6 +282,7 @@ class TraceWriter:
         self._deadline = math.inf
         self._scopes: set[anyio.CancelScope] = set()
         self._open_lock = anyio.Lock()
+        self._open_call: _threads.Call[None] | None = None  # the sink's open, under way or last
         self._close_lock = threading.Lock()  # between an abandoned open's thread and aclose
         self._sink_closed = False
         self._opened = False
@@ -665,15 +674,51 @@ class TraceWriter:
         return self._opened
 
     async def _ensure_open(self, fields: tuple[str, ...], types: tuple[OdpsType, ...]) -> None:
+        """Open the sink in a thread of its own, once.  A cancellation of the waiting task
+        abandons the wait, not the open: an open still running (the open at bus start, whose
+        task ends with the workers) is waited for by the next caller, never run twice at once,
+        and by :meth:`aclose`."""
         if self._opened:
             return
         async with self._open_lock:
-            if not self._opened:
-                await _threads.run_sync(self._open, fields, types, abandon_on_cancel=True)
+            call = self._open_call
+            if call is not None and not call.done:
+                await _threads.wait(call)
+            if self._opened:
+                return
+            call = self._open_call = _threads.Call(
+                self._open, fields, types, name=f"recis_async {self.name} open"
+            )
+            await _threads.wait(call)
+            call.result()
+
+    async def _settle_open(self, deadline: float) -> None:
+        """Let an open of the sink still under way end before close marks the sink closed:
+        wait until ``deadline``, and at least :data:`_OPEN_WAIT_S` (a deadline already spent
+        on deliveries, or a signal's hurried close).  A cancellation of the close ends the
+        wait at once.  An open still running then is abandoned, named in a warning; its
+        thread closes the sink if it ends (:meth:`_open`)."""
+        call = self._open_call
+        if call is None or call.done:
+            return
+        wait = max(deadline - anyio.current_time(), _OPEN_WAIT_S)
+        t0 = anyio.current_time()
+        try:
+            await _threads.wait(call, wait)
+        finally:
+            if not call.done:
+                logger.warning(
+                    "%s: the sink's open was still running at the close (%s), after %.1f s; "
+                    "abandoned: if it ends, its thread closes the sink",
+                    self.name,
+                    self.sink.name,
+                    anyio.current_time() - t0,
+                )
 
     def _open(self, fields: tuple[str, ...], types: tuple[OdpsType, ...]) -> None:
-        """Open the sink in a worker thread.  An open abandoned by the close ends after it: the
-        thread then closes the sink itself, so every sink that opened is closed exactly once."""
+        """Open the sink in a worker thread.  Close waits for an open under way
+        (:meth:`_settle_open`); one it abandons ends after it, and the thread then closes the
+        sink itself, so every sink that opened is closed exactly once."""
         self.sink.open(fields, types)
         with self._close_lock:
             if not self._sink_closed:
@@ -767,14 +812,17 @@ class TraceWriter:
                 reason = f"not delivered by the close deadline; last error: {self._last_error}"
                 await self._spill(leftovers, "close deadline", reason)
             finally:
-                with anyio.CancelScope(shield=True):
-                    with self._close_lock:
-                        self._sink_closed = True  # an open still running closes the sink itself
-                    if self._opened:
-                        try:
-                            await _threads.run_sync(self.sink.close)
-                        except Exception as exc:
-                            logger.warning("%s: closing the sink failed: %s", self.name, exc)
+                try:
+                    await self._settle_open(deadline)  # not shielded: a cancellation ends it
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        with self._close_lock:
+                            self._sink_closed = True  # an open running on closes the sink
+                        if self._opened:
+                            try:
+                                await _threads.run_sync(self.sink.close)
+                            except Exception as exc:
+                                logger.warning("%s: closing the sink failed: %s", self.name, exc)
         lost = [r for r in self._spills if r.path is None]
         if lost:
             spilled = describe_spills(self._spills)

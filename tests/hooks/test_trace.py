@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections import Counter
@@ -25,6 +26,7 @@ from recis_async.events import AfterLoadCheckpoint, AfterStep, BeforeStep, Start
 from recis_async.hooks import TraceHook, TraceToOdpsHook
 from recis_async.sinks import OdpsSink, ParquetSink
 from recis_async.spill import read_spill, replay_spill
+from recis_async.trace.service import _OPEN_WAIT_S
 
 pytestmark = pytest.mark.usefixtures("either_bus")
 
@@ -157,6 +159,115 @@ async def test_steps_without_trace_write_nothing(tmp_path: Path) -> None:
             await bus.publish(AfterStep(global_step=step))
     assert not (tmp_path / "t").exists() or not list((tmp_path / "t").iterdir())
     assert hook.writer.stats()["batches"] == 0
+
+
+class SlowProbeSink(ParquetSink):
+    """A real Parquet sink whose ``open`` stops between touching its writability probe
+    (``.probe-<rank>-<hex>.tmp``) and removing it until ``gate`` is set: an open that is
+    merely slow (a loaded machine, a slow disk), or hung while the gate stays shut."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root, "t", rank=0)
+        self.touched = threading.Event()  # the probe is on disk, the open waits at the gate
+        self.gate = threading.Event()
+        self.calls: list[str] = []
+        sink = self
+
+        class GatedPath(type(Path())):  # type: ignore[misc]  # PosixPath or WindowsPath
+            def unlink(self, missing_ok: bool = False) -> None:
+                if self.name.startswith(".probe-"):
+                    sink.touched.set()
+                    assert sink.gate.wait(30), "the test never opened the gate"
+                super().unlink(missing_ok)
+
+        self._gated = GatedPath
+
+    @property
+    def directory(self) -> Path:
+        return self._gated(super().directory)
+
+    def open(self, fields: tuple[str, ...], types: tuple[Any, ...]) -> None:
+        self.calls.append("open started")
+        super().open(fields, types)
+        self.calls.append("opened")
+
+    def close(self) -> None:
+        self.calls.append("closed")
+        super().close()
+
+    def leftovers(self) -> list[str]:
+        """Files in the sink's folder: the probe or a temporary file left behind."""
+        folder = self._root / "t"
+        return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+
+
+async def steps_until_the_open_waits(bus: HookBus, sink: SlowProbeSink) -> None:
+    """Publish empty steps until the sink's open (begun at bus start) has touched its probe
+    and waits at the gate (on a SyncHookBus the bus's loop runs only inside a publish)."""
+    with anyio.fail_after(10):
+        step = 0
+        while not sink.touched.is_set():
+            await bus.publish(BeforeStep(global_step=step))
+            await bus.publish(AfterStep(global_step=step))
+            step += 1
+            await anyio.sleep(0.01)
+
+
+@pytest.mark.anyio
+async def test_the_close_waits_for_a_slow_open_so_no_probe_file_is_left(tmp_path: Path) -> None:
+    """The bus closes while the sink's open, begun at bus start, is merely slow: the close
+    waits for it (within its deadline), so once the ``async with`` returns the open has
+    ended, its probe file is gone and the sink that opened was closed -- by the close, not by
+    a thread that a process exiting right after the close would kill mid-open."""
+    sink = SlowProbeSink(tmp_path)
+    hook = TraceHook(sink, FIELDS, TYPES, size_threshold=4096, spill_dir=tmp_path / "spill")
+    try:
+        async with HookBus(flush_timeout=30, handle_signals=False) as bus:
+            bus.add_hook(hook)
+            await steps_until_the_open_waits(bus, sink)
+            (probe,) = sink.leftovers()  # on disk while the open waits at the gate
+            assert probe.startswith(".probe-0-") and probe.endswith(".tmp")
+            # the open ends 0.5 s into the close: slow, not hung
+            threading.Timer(0.5, sink.gate.set).start()
+        assert sink.calls == ["open started", "opened", "closed"]
+        assert sink.leftovers() == []
+        assert hook.writer.stats()["batches"] == 0
+    finally:
+        sink.gate.set()  # without the fix: let the abandoned open end before the next test
+        with anyio.fail_after(10):
+            while "closed" not in sink.calls:
+                await anyio.sleep(0.01)
+
+
+@pytest.mark.anyio
+async def test_a_hung_open_is_abandoned_at_the_close_deadline_naming_the_sink(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An open that does not end (an ODPS open on a dead server) costs the close no more than
+    its deadline; it is abandoned with a warning naming the sink, and closes the sink itself
+    if it ends later."""
+    sink = SlowProbeSink(tmp_path)
+    hook = TraceHook(sink, FIELDS, TYPES, size_threshold=4096, spill_dir=tmp_path / "spill")
+    caplog.set_level(logging.WARNING, "recis_async.trace.service")
+    try:
+        async with HookBus(flush_timeout=0.5, handle_signals=False) as bus:
+            bus.add_hook(hook)
+            await steps_until_the_open_waits(bus, sink)
+            t0 = time.monotonic()
+        took = time.monotonic() - t0
+        bound = max(0.5, _OPEN_WAIT_S)  # the deadline, and at least _OPEN_WAIT_S
+        assert took < bound + 1.5, f"the close took {took:.1f} s (bound {bound} s)"
+        assert sink.calls == ["open started"]
+        (line,) = [m for m in caplog.messages if "open was still running at the close" in m]
+        assert sink.name in line and "abandoned" in line
+    finally:
+        sink.gate.set()
+    with anyio.fail_after(10):
+        while "closed" not in sink.calls:
+            await anyio.sleep(0.01)
+    await anyio.sleep(0.05)
+    assert sink.calls == ["open started", "opened", "closed"]  # closed once, by its thread
+    assert sink.leftovers() == []
 
 
 @pytest.mark.async_bus_only  # awaits the max_age timer's seal between publishes

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import errno
+import logging
 import os
 from pathlib import Path
 
@@ -127,6 +129,35 @@ def test_an_unusable_root_is_a_permanent_error(tmp_path: Path) -> None:
     with pytest.raises(SinkError) as info:
         opened(sink, ["id"], ["bigint"])
     assert info.value.transient is False and str(blocker) in str(info.value)
+
+
+def test_a_probe_left_by_a_failed_open_is_removed_by_the_next_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The writability probe's removal fails (an I/O error; a process killed between touch and
+    unlink leaves the same file): the open fails as a transient error, naming the probe, and
+    this rank's next open removes it -- another rank's probe (may be live) stays."""
+    real_unlink = Path.unlink
+
+    def unlink(path: Path, missing_ok: bool = False) -> None:
+        if path.name.startswith(".probe-"):
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        real_unlink(path, missing_ok)
+
+    sink = ParquetSink(tmp_path, "tr", rank=0)
+    monkeypatch.setattr(Path, "unlink", unlink)
+    with pytest.raises(SinkError) as info:
+        opened(sink, ["id"], ["bigint"])
+    monkeypatch.undo()
+    (probe,) = parts(tmp_path / "tr")
+    assert probe.startswith(".probe-0-") and probe in str(info.value)
+    assert info.value.transient  # the writer retries the open with the first batch
+    theirs = tmp_path / "tr" / ".probe-1-0123456789abcdef.tmp"
+    theirs.touch()
+    caplog.set_level(logging.WARNING, "recis_async.trace.parquet")
+    opened(sink, ["id"], ["bigint"])
+    assert parts(tmp_path / "tr") == [theirs.name]
+    assert f"removed 1 temporary file(s) left by an interrupted run: {probe}" in caplog.text
 
 
 def test_write_before_open_is_refused(tmp_path: Path) -> None:
