@@ -149,6 +149,10 @@ class HookBus:
     ) -> bool:
         tg = self._tg
         assert tg is not None
+        cancelled_exc = anyio.get_cancelled_exc_class()
+        # The cancellation of a scope around the bus, seen while leaving it; see below.
+        outer: BaseException | None = None
+        swallowed = False
         try:
             errors = await self._close(exc)
         finally:
@@ -156,25 +160,38 @@ class HookBus:
                 scope.cancel()
             self._signals.stop()
             tg.cancel_scope.cancel()
-            if isinstance(exc, anyio.get_cancelled_exc_class()):
-                # Our own cancel scope (a second signal) swallows its cancellation here; an
-                # outer cancellation propagates.
-                swallowed = bool(await tg.__aexit__(exc_type, exc, tb))
-            else:
-                swallowed = False
-                await tg.__aexit__(None, None, None)
-            if self._token is not None:
-                collect.unbind(self._token)
-                self._token = None
+            try:
+                if isinstance(exc, cancelled_exc):
+                    # Our own cancel scope (a second signal) swallows its cancellation here;
+                    # an outer cancellation is raised again (below).
+                    swallowed = bool(await tg.__aexit__(exc_type, exc, tb))
+                else:
+                    await tg.__aexit__(None, None, None)
+                    # Whether the task group's exit waited (and so saw an outer
+                    # cancellation) depends on whether a service's task had ended yet: ask
+                    # once more, so what leaves the block does not depend on that.
+                    await anyio.lowlevel.checkpoint_if_cancelled()
+            except cancelled_exc as cancellation:
+                outer = cancellation
+            finally:
+                if self._token is not None:
+                    collect.unbind(self._token)
+                    self._token = None
         body_failed = exc is not None and not swallowed
         exit_ = preempted_exit(self._signals.signum, exc if body_failed else None)
-        # The body's exception, or the signal's exit status, outranks errors of the close.
-        raised = body_failed or exit_ is not None
+        # The body's exception, the signal's exit status, or the cancellation of a scope
+        # around the bus (the body was cancelled, or is about to be: the block must end as
+        # its canceller asked) outranks errors of the close: they are logged instead.
+        raised = body_failed or exit_ is not None or outer is not None
         for extra in errors[0 if raised else 1 :]:
             logger.error("failed while closing the bus: %s", extra)
         if exit_ is not None:
             raise exit_
-        if errors and not body_failed:
+        if body_failed:
+            return False  # the body's exception propagates (an outer cancellation included)
+        if outer is not None:
+            raise outer
+        if errors:
             raise errors[0]
         return swallowed
 

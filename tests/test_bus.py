@@ -725,6 +725,42 @@ async def test_services_outlive_an_outer_cancellation_until_drained() -> None:
     assert delivered == list(range(50))
 
 
+@pytest.mark.parametrize("body_saw_it", [False, True])
+@pytest.mark.parametrize("task_left", [False, True])
+async def test_a_close_error_under_an_outer_cancellation_is_logged_and_the_block_cancelled(
+    caplog: pytest.LogCaptureFixture, body_saw_it: bool, task_left: bool
+) -> None:
+    """A scope around the bus is cancelled (the body saw it or not yet) and a service's close
+    fails (it spilled, say): the block ends with that cancellation, which its scope absorbs,
+    and the close's error is logged.  Before, the error escaped into the scope (in an
+    exception group) when the bus's task group had no task left to wait for at exit, and
+    vanished, not even logged, when it had."""
+
+    class FailingClose(_Recorder):
+        async def run(self) -> None:
+            if task_left:  # the service's task is still running when the block is left
+                await super().run()
+
+        async def aclose(self, deadline: float) -> None:
+            await super().aclose(deadline)
+            raise OSError("1 batch spilled")
+
+    drained: list[bool] = []
+    after: list[str] = []
+    with anyio.CancelScope() as outer:
+        async with HookBus(handle_signals=False) as bus:
+            bus.start_service(FailingClose("svc", drained))
+            await anyio.sleep(0.01)  # the service's task ran (and, without task_left, ended)
+            outer.cancel()
+            if body_saw_it:
+                await anyio.sleep(1)
+        after.append("not cancelled")  # the block must end with the cancellation
+    assert outer.cancelled_caught and after == [] and drained == [True]
+    closing = [r for r in caplog.records if "failed while closing the bus" in r.getMessage()]
+    assert len(closing) == 1 and "1 batch spilled" in closing[0].getMessage()
+    assert closing[0].levelno == logging.ERROR
+
+
 def test_a_bus_used_in_a_second_event_loop_run_says_so() -> None:
     """Entered in one ``anyio.run`` and closed in another: its task group died with the first
     (on asyncio the second run got anyio's own error; trio refuses the first run's end

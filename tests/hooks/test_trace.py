@@ -654,10 +654,15 @@ def test_sigterm_stops_at_a_step_boundary_and_keeps_every_row(tmp_path: Path, ba
 @pytest.mark.async_bus_only  # awaits the writer's own aclose from the test
 @pytest.mark.anyio
 async def test_a_cancelled_close_waits_for_a_commit_under_way_then_spills_nothing_twice(
-    server: OdpsServer, tmp_path: Path
+    server: OdpsServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """As on a second stop signal: close is cancelled while a commit is in flight."""
-    server.inject("commit", "slow:1.0")
+    """As on a second stop signal: close is cancelled while a commit is in flight, then the
+    scope around the bus is cancelled.  The commit under way is waited for (delivered), the
+    batch not yet sent is spilled once; the block ends with the cancellation, which its
+    scope absorbs, and the close's error naming the spill file is logged."""
+    # One worker: batch 0's slow commit holds step 2's publish until batch 1 is taken; batch
+    # 1's commit is the one under way when the close is cancelled; batch 2 waits behind it.
+    server.inject("commit", "slow:1.0", times=2)
     hook = odps_hook(server, tmp_path, size_threshold=1000)  # a batch per step
     writer = hook.writer
     async with anyio.create_task_group() as tg:
@@ -665,17 +670,19 @@ async def test_a_cancelled_close_waits_for_a_commit_under_way_then_spills_nothin
             bus.add_hook(hook)
             await run_steps(bus, range(3))
             with anyio.fail_after(10):
-                while server.counts("commit") == 0:
+                while server.counts("commit") < 2:  # batch 1's commit has begun (1 s long)
                     await anyio.sleep(0.01)
             with anyio.move_on_after(0.1):  # cancels writer.aclose mid-way
                 await writer.aclose(anyio.current_time() + 60)
             tg.cancel_scope.cancel()
-    spilled = sum(read_spill(p).rows for p in (tmp_path / "spill").glob("*.arrows"))
-    assert server.counts("commit") >= 1
-    delivered = odps_ids(server)
-    assert len(delivered) + spilled == 3 * ROWS  # every row either delivered or spilled
-    assert len(set(delivered)) == len(delivered)
-    for path in (tmp_path / "spill").glob("*.arrows"):
+    assert tg.cancel_scope.cancelled_caught
+    spills = list((tmp_path / "spill").glob("*.arrows"))
+    assert sum(read_spill(p).rows for p in spills) == ROWS  # batch 2, once
+    assert server.counts("commit") == 2  # nothing committed after the cancellation
+    assert odps_ids(server) == list(range(2 * ROWS))  # batch 1's commit was waited for
+    (logged,) = [r for r in caplog.records if "failed while closing the bus" in r.getMessage()]
+    assert logged.levelno == logging.ERROR and str(spills[0]) in logged.getMessage()
+    for path in spills:
         replay_spill(path, OdpsSink(sink_config(server, "t", "dt=20261122")))
     assert odps_ids(server) == list(range(3 * ROWS))  # and never both
 
