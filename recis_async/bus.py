@@ -32,11 +32,11 @@ from . import collect, dist, routes
 from ._checks import boolean, positive_int, positive_number
 from ._checks import on_error as check_on_error
 from .collect import StepCollector
-from .hostcopy import DEFAULT_HOST_BUFFER_BYTES
 from .console import TRACEBACKS_LOGGED, log_failure
 from .errors import HookError, OnError
 from .events import LIFECYCLE, AfterStep, End, Error, Event, method_name
 from .hook import RESERVED_NAMES, Hook
+from .hostcopy import DEFAULT_HOST_BUFFER_BYTES
 from .priority import Priority, priority_value
 from .routes import KIND_AFTER_STEP, KIND_BEFORE_STEP, KIND_OUT_OF_DATA, Route
 from .service import Service, yield_to_services

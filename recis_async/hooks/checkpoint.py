@@ -67,8 +67,9 @@ class CheckpointSaverHook(Hook):
     allocations, at the price of holding one snapshot's worth of host memory between saves
     (three at most).  CUDA tensors are copied into page-locked buffers without the step
     waiting: the copies are queued on the current stream and the writer's thread waits for
-    them (an event) before it writes.  The copy is split by size over up to four threads (one per 4 MiB, at most
-    one per CPU): the step waits for its share of the memory bandwidth, not one thread's copy.
+    them (an event) before it writes.  The copy is split by size over up to four threads (one
+    per 4 MiB, at most one per CPU): the step waits for its share of the memory bandwidth, not
+    one thread's copy.
 
     The write runs in a thread of its own, on Linux reniced by ``writer_nice`` (``None``: not
     reniced), so that where cores are scarce the write yields the CPU to training rather than

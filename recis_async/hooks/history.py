@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
-
 import torch
 
 from .._checks import positive_int, writable_dir

@@ -1,8 +1,9 @@
 """NanTensorHook: fail, or stop, when the training loss is NaN or infinite.
 
 A loss recorded as a number is checked on its step, as is a CPU tensor's (``add_metric`` reads
-it at the call: nothing to wait for).  A loss recorded as a tensor on a device is checked on its device every step (``isfinite(...).all()``, a kernel, no read) and the
-one-byte flag leaves the device through a non-blocking copy (:class:`~recis_async.lagged.
+it at the call: nothing to wait for).  A loss recorded as a tensor on a device is checked on its
+device every step (``isfinite(...).all()``, a kernel, no read) and the one-byte flag leaves the
+device through a non-blocking copy (:class:`~recis_async.lagged.
 LaggedCopies`); the hook acts on it ``lag`` training steps later (2 by default), at that step's
 ``AfterStep``, so a NaN at step ``k`` fails or stops the run at step ``k + lag`` at the latest, on
 every device.  Pending flags are also settled before a checkpoint is saved

@@ -13,8 +13,8 @@ made allocating a large buffer cost several times more than copying it (benchmar
   so ``torch.save`` writes no reserve.
 
 Where mappings or the advice are unavailable (not Linux, strict overcommit), this is plain
-``torch.zeros`` plus a copy; so it is for tensors on an accelerator (a table moved there).  A tensor keeps its mapping alive and it is unmapped when the
-last tensor over it is freed.
+``torch.zeros`` plus a copy; so it is for tensors on an accelerator (a table moved there).  A
+tensor keeps its mapping alive and it is unmapped when the last tensor over it is freed.
 """
 
 from __future__ import annotations
