@@ -530,6 +530,42 @@ def report(results: dict[str, list[dict[str, Any]]], reps: int) -> str:
     return "\n".join(lines)
 
 
+def paired(results: dict[str, list[dict[str, Any]]]) -> str:
+    """The CPU a step costs besides the model, µs, compared within each repetition (its configs
+    ran in the same minutes, in a rotated order): each config minus the plain loop (the mean of
+    ``plain`` and ``plain-again`` where both ran; ``plain-again`` itself minus ``plain``: the
+    A/A noise), and, with ``--compare``, minus the same config on the other code.  Each cell:
+    the median, then every repetition's value."""
+
+    def besides(run: dict[str, Any]) -> float:
+        return 1e3 * (run["cpu_ms"] - run["model_ms"])
+
+    def cell(values: list[float]) -> str:
+        if not values:
+            return "–"
+        return f"{statistics.median(values):+.0f} ({', '.join(f'{v:+.0f}' for v in values)})"
+
+    plain = [besides(r) for r in results["plain"]]
+    again = [besides(r) for r in results.get("plain-again", [])]
+    base = [(a + b) / 2 for a, b in zip(plain, again, strict=False)] if again else plain
+    lines = [
+        "| path | minus the plain loop | minus its --compare code |",
+        "|---|---|---|",
+    ]
+    for config, runs in results.items():
+        if config == "plain" or "@" in config:
+            continue
+        mine = [besides(r) for r in runs]
+        reference = plain if config == "plain-again" else base
+        other = next((v for k, v in results.items() if k.startswith(config + "@")), [])
+        before = [besides(r) for r in other]
+        lines.append(
+            f"| {config} | {cell([m - p for m, p in zip(mine, reference, strict=False)])} "
+            f"| {cell([m - b for m, b in zip(mine, before, strict=False)])} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=6, help="repetitions of every config")
@@ -587,6 +623,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     print(report(results, args.reps))
+    print("\nµs of CPU a step besides the model, within each repetition:\n" + paired(results))
 
 
 if __name__ == "__main__":

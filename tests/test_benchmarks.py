@@ -71,7 +71,8 @@ def test_bench_peers_only_keeps_the_a_a_row() -> None:
         env=env, capture_output=True, text=True, timeout=600, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    paths = [line.split("|")[1].strip() for line in proc.stdout.splitlines() if line[:2] == "| "]
+    table = proc.stdout.split("\n\n")[0]  # the first table (the within-repetition one follows)
+    paths = [line.split("|")[1].strip() for line in table.splitlines() if line[:2] == "| "]
     assert paths == ["path", "plain", "plain-again", "async-loop", "sync-loop"], proc.stdout
 
 
@@ -86,3 +87,33 @@ def test_bench_hooks_copy_out_compares_the_three_places() -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith(("on the", "copy-out"))]
     assert len(rows) == 3 and all(float(row.split()[-4]) > 0 for row in rows), proc.stdout
+
+
+def test_bench_peers_pairs_each_repetitions_configs() -> None:
+    """``bench_peers.paired``: within each repetition, a config minus the plain loop (the mean
+    of plain and plain-again; plain-again minus plain) and minus its ``--compare`` code."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_peers
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    def runs(*besides_us: float) -> list[dict[str, float]]:
+        return [{"cpu_ms": 3.0 + b / 1e3, "model_ms": 3.0} for b in besides_us]
+
+    table = bench_peers.paired(
+        {
+            "plain": runs(200, 260),
+            "plain-again": runs(220, 240),
+            "own": runs(400, 330),
+            "own@before": runs(500, 480),
+        }
+    )
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:4]]
+        for line in table.splitlines()[2:]
+    }
+    assert rows == {
+        "plain-again": ["+0 (+20, -20)", "–"],
+        "own": ["+135 (+190, +80)", "-125 (-100, -150)"],
+    }, table
