@@ -139,7 +139,9 @@ def build(hidden: int, steps: int) -> tuple[Any, Any, list[dict[str, Any]]]:
     batches = []
     for i in range(steps):
         x = torch.randn(BATCH, FEATURES, generator=g)
-        batches.append({"x": x, "y": x[:, :1].clone(), "ids": torch.arange(i * BATCH, (i + 1) * BATCH)})
+        batches.append(
+            {"x": x, "y": x[:, :1].clone(), "ids": torch.arange(i * BATCH, (i + 1) * BATCH)}
+        )
     return torch, mlp, batches
 
 
@@ -214,7 +216,9 @@ def _trace_hooks(out: Path) -> list[Any]:
 
     return [
         TraceHook(ParquetSink(out, "trace", rank=0), ["id"], ["bigint"], spill_dir=out / "spill"),
-        MLTrackerHook("bench", "peers", tracker=JsonlTracker(out / "ml"), spill_dir=out / "ml_spill"),
+        MLTrackerHook(
+            "bench", "peers", tracker=JsonlTracker(out / "ml"), spill_dir=out / "ml_spill"
+        ),
     ]
 
 
@@ -243,7 +247,9 @@ def run_plain(*a: Any) -> None:
 run_plain_again = run_plain
 
 
-def run_trainer(torch: Any, mlp: Any, batches: Any, clock: Clock, out: Path, log: Any, _: bool) -> None:
+def run_trainer(
+    torch: Any, mlp: Any, batches: Any, clock: Clock, out: Path, log: Any, _: bool
+) -> None:
     import anyio
 
     from recis_async import MLTrackerHook, ProgressBarHook, Trainer, TrainingArguments
@@ -266,9 +272,13 @@ def run_trainer(torch: Any, mlp: Any, batches: Any, clock: Clock, out: Path, log
     )
     hooks = [
         ProgressBarHook(),
-        MLTrackerHook("bench", "peers", tracker=JsonlTracker(out / "ml"), spill_dir=out / "ml_spill"),
+        MLTrackerHook(
+            "bench", "peers", tracker=JsonlTracker(out / "ml"), spill_dir=out / "ml_spill"
+        ),
     ]
-    trainer = Trainer(Model(), args, train_dataset=batches, hooks=hooks, dense_optimizers=(optimizer, None))
+    trainer = Trainer(
+        Model(), args, train_dataset=batches, hooks=hooks, dense_optimizers=(optimizer, None)
+    )
     anyio.run(trainer.train)
 
 
@@ -285,14 +295,18 @@ def _loop_hooks(torch: Any, net: Any, optimizer: Any, out: Path, steps: int) -> 
     return [
         LoggerHook(log_step=LOG_EVERY),
         ProgressBarHook(total=steps),
-        MLTrackerHook("bench", "peers", tracker=JsonlTracker(out / "ml"), spill_dir=out / "ml_spill"),
+        MLTrackerHook(
+            "bench", "peers", tracker=JsonlTracker(out / "ml"), spill_dir=out / "ml_spill"
+        ),
         CheckpointSaverHook(
             str(out / "ckpt"), save_steps=10 * steps, model=net, optimizer=optimizer
         ),
     ]
 
 
-def run_async_loop(torch: Any, mlp: Any, batches: Any, clock: Clock, out: Path, log: Any, _: bool) -> None:
+def run_async_loop(
+    torch: Any, mlp: Any, batches: Any, clock: Clock, out: Path, log: Any, _: bool
+) -> None:
     import anyio
 
     from recis_async import HookBus, add_metric
@@ -320,7 +334,9 @@ def run_async_loop(torch: Any, mlp: Any, batches: Any, clock: Clock, out: Path, 
     anyio.run(main)
 
 
-def run_sync_loop(torch: Any, mlp: Any, batches: Any, clock: Clock, out: Path, log: Any, _: bool) -> None:
+def run_sync_loop(
+    torch: Any, mlp: Any, batches: Any, clock: Clock, out: Path, log: Any, _: bool
+) -> None:
     from recis_async import add_metric
     from recis_async.events import AfterStep, BeforeStep, Start
     from recis_async.syncbus import SyncHookBus
@@ -343,7 +359,9 @@ def run_sync_loop(torch: Any, mlp: Any, batches: Any, clock: Clock, out: Path, l
                 break
 
 
-def run_lightning(torch: Any, mlp: Any, batches: Any, clock: Clock, out: Path, log: Any, adapter: bool) -> None:
+def run_lightning(
+    torch: Any, mlp: Any, batches: Any, clock: Clock, out: Path, log: Any, adapter: bool
+) -> None:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
@@ -364,7 +382,9 @@ def run_lightning(torch: Any, mlp: Any, batches: Any, clock: Clock, out: Path, l
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
     class Every50(pl.Callback):
-        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, i: int) -> None:
+        def on_train_batch_end(
+            self, trainer: Any, module: Any, outputs: Any, batch: Any, i: int
+        ) -> None:
             if i % LOG_EVERY == 0:
                 log.info("step %d loss %.4f", i, outputs["loss"].item())
 
@@ -386,7 +406,9 @@ def run_lightning(torch: Any, mlp: Any, batches: Any, clock: Clock, out: Path, l
     trainer.fit(Module(), torch.utils.data.DataLoader(batches, batch_size=None))
 
 
-def run_hf(torch: Any, mlp: Any, batches: Any, clock: Clock, out: Path, log: Any, adapter: bool) -> None:
+def run_hf(
+    torch: Any, mlp: Any, batches: Any, clock: Clock, out: Path, log: Any, adapter: bool
+) -> None:
     import transformers
 
     f = open(out / "loss.txt", "w")  # noqa: SIM115  (closed below)
@@ -433,7 +455,9 @@ def run_hf(torch: Any, mlp: Any, batches: Any, clock: Clock, out: Path, log: Any
     f.close()
 
 
-def run_ignite(torch: Any, mlp: Any, batches: Any, clock: Clock, out: Path, log: Any, adapter: bool) -> None:
+def run_ignite(
+    torch: Any, mlp: Any, batches: Any, clock: Clock, out: Path, log: Any, adapter: bool
+) -> None:
     from ignite.engine import Engine, Events
     from ignite.handlers import Checkpoint, DiskSaver, ProgressBar
 
@@ -454,7 +478,8 @@ def run_ignite(torch: Any, mlp: Any, batches: Any, clock: Clock, out: Path, log:
         attach(engine, _trace_hooks(out))
     f = open(out / "loss.txt", "w")  # noqa: SIM115  (closed below)
     engine.add_event_handler(
-        Events.ITERATION_COMPLETED, lambda e: f.write(f"{e.state.iteration}\t{e.state.output.item()}\n")
+        Events.ITERATION_COMPLETED,
+        lambda e: f.write(f"{e.state.iteration}\t{e.state.output.item()}\n"),
     )
     engine.add_event_handler(
         Events.ITERATION_COMPLETED(every=LOG_EVERY),
@@ -486,7 +511,9 @@ def run_one(label: str, args: argparse.Namespace) -> dict[str, Any]:
         argv += ["--steps", str(args.steps), "--hidden", str(args.hidden)]
         started = time.perf_counter()
         with open(Path(tmp) / "stderr.txt", "w") as err:
-            proc = subprocess.run(argv, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+            proc = subprocess.run(
+                argv, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=err, text=True
+            )
         wall = time.perf_counter() - started
         if proc.returncode != 0:
             tail = (Path(tmp) / "stderr.txt").read_text()[-3000:]
@@ -499,7 +526,9 @@ def run_one(label: str, args: argparse.Namespace) -> dict[str, Any]:
 def available(config: str) -> bool:
     import importlib.util
 
-    module = {"lightning": "lightning", "hf": "transformers", "ignite": "ignite"}.get(config.split("+")[0])
+    module = {"lightning": "lightning", "hf": "transformers", "ignite": "ignite"}.get(
+        config.split("+")[0]
+    )
     return module is None or importlib.util.find_spec(module) is not None
 
 
@@ -567,7 +596,9 @@ def paired(results: dict[str, list[dict[str, Any]]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--reps", type=int, default=6, help="repetitions of every config")
     parser.add_argument("--steps", type=int, default=1500, help="training steps a run")
     parser.add_argument("--hidden", type=int, default=256, help="the MLP's hidden width")
@@ -576,7 +607,9 @@ def main() -> None:
         help="comma-separated configs; 'own' is async-loop,sync-loop (plain and plain-again, "
         "the A/A row, are always run)",
     )
-    parser.add_argument("--quick", action="store_true", help="every config once, 120 steps (a smoke test)")
+    parser.add_argument(
+        "--quick", action="store_true", help="every config once, 120 steps (a smoke test)"
+    )
     parser.add_argument("--json", help="also write every run's figures to this file")
     parser.add_argument(
         "--compare",
