@@ -59,6 +59,12 @@ def gated_hook(tmp_path: Path, gate: threading.Event, hang: float = 30.0) -> MLT
     )
 
 
+def gated_tracker(hook: MLTrackerHook) -> GatedJsonl:
+    tracker = hook.tracker
+    assert isinstance(tracker, GatedJsonl)
+    return tracker
+
+
 async def step(bus: HookBus, n: int) -> float:
     """Publish a training step tracking ``loss``; return how long its AfterStep took."""
     t = time.monotonic()
@@ -98,8 +104,7 @@ async def test_ctrl_c_while_the_tracker_is_slow_spills_nothing(tmp_path: Path) -
     up.  (It waited for the tracker: up to SubprocessTracker's 300 s call bound.)"""
     gate = threading.Event()
     hook = gated_hook(tmp_path, gate)
-    tracker = hook.tracker
-    assert isinstance(tracker, GatedJsonl)
+    tracker = gated_tracker(hook)
     try:
         with pytest.raises(SystemExit) as exit_, anyio.fail_after(20):
             async with HookBus(flush_timeout=5) as bus:
@@ -159,8 +164,7 @@ async def test_a_stop_signal_ends_the_wait_for_room_at_once(tmp_path: Path) -> N
     (its delivery unknown) -- and a replay settles both files: each step in the run once."""
     gate = threading.Event()
     hook = gated_hook(tmp_path, gate)
-    tracker = hook.tracker
-    assert isinstance(tracker, GatedJsonl)
+    tracker = gated_tracker(hook)
     try:
         with pytest.raises(SystemExit) as exit_, anyio.fail_after(20):
             async with HookBus(flush_timeout=1) as bus:
@@ -201,8 +205,7 @@ async def test_a_loop_running_on_after_its_stop_keeps_at_most_twice_the_buffer(
     gate = threading.Event()
     caplog.set_level(logging.INFO)
     hook = gated_hook(tmp_path, gate)
-    tracker = hook.tracker
-    assert isinstance(tracker, GatedJsonl)
+    tracker = gated_tracker(hook)
     try:
         with pytest.raises(HookError, match="found no room after the stop") as error:
             with anyio.fail_after(20):
