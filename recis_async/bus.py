@@ -39,7 +39,7 @@ from .hook import RESERVED_NAMES, Hook
 from .hostcopy import DEFAULT_HOST_BUFFER_BYTES
 from .priority import Priority, priority_value
 from .routes import KIND_AFTER_STEP, KIND_BEFORE_STEP, KIND_OUT_OF_DATA, Route
-from .service import Service, yield_to_services
+from .service import Service, unreported_close_error, yield_to_services
 from .stopping import StopSignals, end_status, preempted_exit
 from .subscription import Filters, Subscription, filters
 
@@ -291,9 +291,15 @@ class HookBus:
                 else f"it did not close within flush_timeout={self.flush_timeout}s "
                 f"(+{_CLOSE_GRACE_S}s grace)"
             )
-            errors.append(
-                HookError(f"service {service.name!r} was cancelled: {why}", subscriber=service.name)
+            # The cancelled aclose could not raise what it found (spill files, the replay
+            # command): the service hands it over, so the error that reaches the user names it.
+            kept = unreported_close_error(service)
+            err = HookError(
+                f"service {service.name!r} was cancelled: {why}" + (f"; {kept}" if kept else ""),
+                subscriber=service.name,
             )
+            err.__cause__ = kept
+            errors.append(err)
 
     def _hurry_up(self) -> None:
         """A second stop signal: cancel the body, or cut a close under way short."""

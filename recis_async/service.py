@@ -8,7 +8,7 @@ from typing import Any, Protocol, runtime_checkable
 import anyio
 from anyio.lowlevel import checkpoint
 
-__all__ = ["Service", "first_of", "yield_to_services"]
+__all__ = ["Service", "first_of", "unreported_close_error", "yield_to_services"]
 
 #: Loop passes a woken service needs to reach its worker thread: its wake-up, then anyio's
 #: two checkpoints in ``to_thread.run_sync``.
@@ -33,7 +33,15 @@ class Service(Protocol):
     ``aclose`` may also be cancelled: when a service overruns its deadline by the bus's grace
     period, or at once when a second stop signal arrives.  A service that holds undelivered
     data must then still keep it safe before the cancellation propagates (spill in an
-    ``except``/``finally`` block, synchronously or inside a shielded scope).
+    ``except``/``finally`` block, synchronously or inside a shielded scope).  The error such a
+    close could not raise (naming where the data went and how to replay it) is handed over by
+    an optional ``take_close_error()`` method returning it (or ``None``), after which it counts
+    as reported: the bus calls it when it cut the close short and names that error in its own
+    (:func:`unreported_close_error`).
+
+    ``aclose`` should be idempotent and report a failure once (the trace writer's and the
+    tracker service's are): a later call returns quietly unless something new went
+    undelivered since.
     """
 
     name: str
@@ -70,3 +78,17 @@ async def first_of(*events: anyio.Event | None) -> None:
 
         for event in waiting:
             tg.start_soon(wait, event)
+
+
+def unreported_close_error(service: Service) -> Exception | None:
+    """What ``service``'s close, cut short by a cancellation, found and could not raise: its
+    optional ``take_close_error()``'s answer (``None`` for a service without one).  Never
+    raises: a failing ``take_close_error`` is returned as the error."""
+    take = getattr(service, "take_close_error", None)
+    if not callable(take):
+        return None
+    try:
+        error = take()
+    except Exception as exc:  # the close's report must not end the bus's close
+        return exc
+    return error if isinstance(error, Exception) else None

@@ -36,7 +36,7 @@ from ..trackers.base import (
     tracker_location,
     value_nbytes,
 )
-from ..trackers.service import check_settings, default_spill_dir
+from ..trackers.service import DEFAULT_SEND_TIMEOUT, check_settings, default_spill_dir
 
 if TYPE_CHECKING:
     from ..bus import HookBus
@@ -52,8 +52,9 @@ class MLTrackerHook(Hook):
     to continue, or to create under that id (for MLflow: found again by its
     ``recis_async.id`` tag).  A checkpoint holds the run's real id (:meth:`state_dict`):
     restoring it continues that run.  ``max_buffer_bytes`` bounds what waits for the
-    tracker (a step publishing into a full buffer waits: backpressure), ``flush_interval``
-    is the longest a value waits before it is sent.  A failing tracker follows
+    tracker (a step publishing into a full buffer waits: backpressure, at most
+    ``send_timeout`` seconds, then its record is spilled), ``flush_interval`` is the longest
+    a value waits before it is sent.  A failing tracker follows
     ``on_error``; records it could not take are kept in a spill file under ``spill_dir``
     (or the system temp folder when that cannot be written).  Rank 0 only by default.
 
@@ -67,11 +68,16 @@ class MLTrackerHook(Hook):
         flush_interval: the longest a value waits before it is sent, in seconds.
         on_error: what a failing tracker does: ``"raise"``, ``"log"`` or ``"disable"``.
         spill_dir: where records the tracker could not take are kept.
+        send_timeout: the longest a ``publish`` waits for room in a full buffer, in seconds
+            (60 by default); then the step's record is spilled instead (a warning says why,
+            and the close raises naming the spill file and the replay command).  A stop
+            request ends the wait at once: the record is kept for the close to deliver.
 
     Raises:
-        TypeError: a ``tracker`` that is not a Tracker, a ``config`` that is not a mapping.
-        ValueError: an invalid project or run name, parameter name, buffer size, interval or
-            ``on_error``.
+        TypeError: a ``tracker`` that is not a Tracker, a ``config`` that is not a mapping,
+            a ``send_timeout`` that is not a number.
+        ValueError: an invalid project or run name, parameter name, buffer size, interval,
+            ``send_timeout`` or ``on_error``.
     """
 
     rank_zero_only = True
@@ -88,6 +94,7 @@ class MLTrackerHook(Hook):
         flush_interval: float = 1.0,
         on_error: OnError = "raise",
         spill_dir: str | os.PathLike[str] | None = None,
+        send_timeout: float = DEFAULT_SEND_TIMEOUT,
     ) -> None:
         for field, value in (("project", project), ("name", name)):
             if not isinstance(value, str) or not value.strip():
@@ -98,7 +105,13 @@ class MLTrackerHook(Hook):
             raise TypeError(
                 f"MLTrackerHook.config: expected a mapping or None, got {type(config).__name__}"
             )
-        check_settings(max_buffer_bytes, flush_interval, on_error, owner="MLTrackerHook")
+        check_settings(
+            max_buffer_bytes,
+            flush_interval,
+            on_error,
+            owner="MLTrackerHook",
+            send_timeout=send_timeout,
+        )
         if tracker is None:
             tracker = JsonlTracker()
         elif not isinstance(tracker, Tracker):
@@ -116,6 +129,7 @@ class MLTrackerHook(Hook):
             "flush_interval": flush_interval,
             "on_error": on_error,
             "spill_dir": spill_dir,
+            "send_timeout": send_timeout,
         }
         self._service: TrackerService | None = None
         self._names: set[str] = set()

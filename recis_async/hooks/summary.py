@@ -26,7 +26,7 @@ from ..reads import ReadQueue
 from ..subscription import Filters, is_train
 from ..trackers import RunSpec, StepRecord, TrackerService
 from ..trackers.base import check_metric_name, to_tracked_value
-from ..trackers.service import check_settings
+from ..trackers.service import DEFAULT_SEND_TIMEOUT, check_settings
 from ..trackers.tensorboard import TensorBoardTracker
 from ..window import has_tensor, read_values
 
@@ -45,10 +45,17 @@ class SummarySaverHook(Hook):
         output_dir: where the event files go.
         model: also write a histogram of every parameter.
         max_buffer_bytes: bytes of summaries that may wait for the writer.
+        send_timeout: the longest a save step waits for room when ``max_buffer_bytes`` wait
+            already, in seconds (60 by default); then its summary is spilled instead (a
+            warning says why, and the close raises naming the spill file and the replay
+            command).  A stop request ends the wait at once: the summary is kept for the
+            close to write.
 
     Raises:
-        TypeError: a ``save_steps`` that is not an int, a ``model`` that is not a module.
-        ValueError: a ``save_steps`` below 1, an unwritable ``output_dir``, a bad buffer size.
+        TypeError: a ``save_steps`` that is not an int, a ``model`` that is not a module, a
+            ``send_timeout`` that is not a number.
+        ValueError: a ``save_steps`` below 1, an unwritable ``output_dir``, a bad buffer size
+            or ``send_timeout``.
     """
 
     rank_zero_only = True
@@ -60,6 +67,7 @@ class SummarySaverHook(Hook):
         *,
         model: torch.nn.Module | None = None,
         max_buffer_bytes: int = 64 << 20,
+        send_timeout: float = DEFAULT_SEND_TIMEOUT,
     ) -> None:
         positive_int(type(self).__name__, "save_steps", save_steps)
         if model is not None and not isinstance(model, torch.nn.Module):
@@ -67,12 +75,15 @@ class SummarySaverHook(Hook):
                 "SummarySaverHook.model: expected a torch.nn.Module or None, "
                 f"got {type(model).__name__}"
             )
-        check_settings(max_buffer_bytes, 0.0, "raise", owner="SummarySaverHook")
+        check_settings(
+            max_buffer_bytes, 0.0, "raise", owner="SummarySaverHook", send_timeout=send_timeout
+        )
         path = writable_dir("SummarySaverHook", "output_dir", output_dir)
         self.tracker = TensorBoardTracker(path, subdir=False)
         self.save_steps = save_steps
         self.model = model
         self.max_buffer_bytes = max_buffer_bytes
+        self.send_timeout = float(send_timeout)
         # the steps completing save_steps, 2 * save_steps, ... steps, counted by the bus
         self.subscription_filters = {"after_step": Filters(every_step=save_steps, when=is_train)}
         self._names: set[str] = set()
@@ -96,6 +107,7 @@ class SummarySaverHook(Hook):
             max_buffer_bytes=self.max_buffer_bytes,
             flush_interval=0.0,
             on_error=self.on_error,
+            send_timeout=self.send_timeout,
         )
         self._service.watch_stop(lambda: bus.stopping)  # a full buffer gives way to a stop
         bus.start_service(self._service)

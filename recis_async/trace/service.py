@@ -11,7 +11,11 @@ batch (the sink uses a fresh session or file name, and settles any attempt left 
 first).  A permanent failure or exhausted retries spill the batch at once to a replayable
 file (:mod:`recis_async.spill`).  Close delivers everything still pending by the deadline --
 itself, if the bus's cancellation already stopped the workers -- then spills what is left
-and raises :class:`TraceDeliveryError` with the counts and the spill files.
+and raises :class:`TraceDeliveryError` with the counts, the spill files and the command that
+replays them.  Close is idempotent and reports a failure once: a later ``aclose`` returns
+quietly unless rows were spilled or lost since.  A close cut short by a cancellation (a second
+stop signal) keeps every row safe, and hands the error it could not raise to the bus
+(:meth:`TraceWriter.take_close_error`), whose own error then names the files too.
 
 An upload abandoned at the deadline or by cancellation never commits afterwards; one that
 was already committing is waited for (up to ``commit_wait`` seconds) so its outcome is known
@@ -38,6 +42,7 @@ import logging
 import math
 import os
 import random
+import shlex
 import tempfile
 import threading
 from collections import deque
@@ -293,6 +298,9 @@ class TraceWriter:
         self._held: dict[int, SpillEntry] = {}  # id -> batch put aside, with its doubt
         self._spills: list[_Spilled] = []  # in order; lost ones have no path
         self._lost_reported = 0  # how many lost records raise_if_lost reported already
+        self._reported = 0  # how many spill records a close error reported already
+        self._close_started = False
+        self._close_done = anyio.Event()  # the one close has ended, however
         self._spill_kinds: dict[str, int] = {}
         self._last_error: str | None = None
         self._wait_s = 0.0
@@ -453,6 +461,7 @@ class TraceWriter:
         self._finished = anyio.Event()
         self._open_lock = anyio.Lock()
         self._open_tried = anyio.Event()
+        self._close_done = anyio.Event()
 
     @property
     def used(self) -> bool:
@@ -788,8 +797,83 @@ class TraceWriter:
     # ------------------------------------------------------------------ close
     async def aclose(self, deadline: float) -> None:
         """Seal what is buffered upstream, deliver everything pending by ``deadline``, spill
-        the rest, close the sink; raise :class:`TraceDeliveryError` if anything was spilled."""
+        the rest, close the sink; raise :class:`TraceDeliveryError` if anything was spilled
+        (:class:`TraceRowsLostError` if rows could not be spilled either).
+
+        Idempotent, and a failure is reported once: the close runs once; a later ``aclose``
+        (or one called while the first is under way, which it waits for until ``deadline``)
+        only raises what no earlier one reported -- rows spilled or lost since, which a
+        close never keeps quiet about.  A close cut short by a cancellation (a second stop
+        signal) still keeps every row safe before the cancellation propagates; the error it
+        could not raise is then reported by :meth:`take_close_error` (the bus names it in
+        its own error) or else by the next ``aclose``.  :meth:`stats` keeps the spill files
+        either way."""
         self._bind()
+        if self._close_started:
+            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+                await self._close_done.wait()
+            self._raise_unreported()
+            return
+        self._close_started = True
+        try:
+            await self._close(deadline)
+        finally:
+            self._close_done.set()
+        self._raise_unreported()
+
+    def take_close_error(self) -> TraceDeliveryError | None:
+        """The error the close found that no ``aclose`` has raised yet, or None; it counts
+        as reported from then on.  The bus calls it when it cut a close short (a second stop
+        signal, or an overrun deadline): a cancelled ``aclose`` cannot raise it, and the
+        user reading the bus's error must still find the spill files and how to replay
+        them.  None before the close began (what the run spilled is the close's to report)."""
+        if not self._close_started or len(self._spills) <= self._reported:
+            return None
+        self._reported = len(self._spills)
+        return self._close_error()
+
+    def _raise_unreported(self) -> None:
+        error = self.take_close_error()
+        if error is not None:
+            raise error
+
+    def _replay_command(self) -> str:
+        """How to deliver a spill file of this writer's sink from a shell."""
+        root = getattr(self.sink, "root", None)
+        if isinstance(root, Path):
+            return f"`python -m recis_async.spill replay FILE --parquet {shlex.quote(str(root))}`"
+        return (
+            "`python -m recis_async.spill replay FILE --parquet ROOT` (or --odps-config cfg.json)"
+        )
+
+    def _close_error(self) -> TraceDeliveryError | None:
+        """Everything spilled (and lost) so far, as the error close raises; None if nothing."""
+        lost = [r for r in self._spills if r.path is None]
+        if lost:
+            spilled = describe_spills(self._spills)
+            return self._lost_error(
+                lost,
+                f" Besides, {self._stats['spilled_rows']} rows were spilled: {spilled}; replay "
+                f"them with {self._replay_command()}."
+                if spilled
+                else "",
+            )
+        if not self._stats["spilled"]:
+            return None
+        kinds = ", ".join(f"{k}: {n}" for k, n in self._spill_kinds.items())
+        return TraceDeliveryError(
+            f"{self.name}: {self._stats['spilled']} batch(es) ({self._stats['spilled_rows']} "
+            f"rows) were not delivered ({kinds}; {self._stats['batches']} delivered) and "
+            f"were spilled to {describe_spills(self._spills)}; replay them with "
+            f"{self._replay_command()} or recis_async.spill.replay_spill(path, sink). Last "
+            f"error: {self._last_error}",
+            spilled_batches=self._stats["spilled"],
+            spilled_rows=self._stats["spilled_rows"],
+            spill_files=self._files(),
+        )
+
+    async def _close(self, deadline: float) -> None:
+        """The close itself (once): drain, then keep the rest safe and close the sink."""
         try:
             await self._drain(deadline)
         finally:
@@ -823,29 +907,6 @@ class TraceWriter:
                                 await _threads.run_sync(self.sink.close)
                             except Exception as exc:
                                 logger.warning("%s: closing the sink failed: %s", self.name, exc)
-        lost = [r for r in self._spills if r.path is None]
-        if lost:
-            spilled = describe_spills(self._spills)
-            raise self._lost_error(
-                lost,
-                f" Besides, {self._stats['spilled_rows']} rows were spilled: {spilled}; replay "
-                "them with `python -m recis_async.spill replay FILE --parquet ROOT`."
-                if spilled
-                else "",
-            )
-        if self._stats["spilled"]:
-            files = self._files()
-            kinds = ", ".join(f"{k}: {n}" for k, n in self._spill_kinds.items())
-            raise TraceDeliveryError(
-                f"{self.name}: {self._stats['spilled']} batch(es) ({self._stats['spilled_rows']} "
-                f"rows) were not delivered ({kinds}; {self._stats['batches']} delivered) and "
-                f"were spilled to {describe_spills(self._spills)}; replay them with `python -m "
-                f"recis_async.spill replay FILE --parquet ROOT` (or --odps-config cfg.json) "
-                f"or recis_async.spill.replay_spill(path, sink). Last error: {self._last_error}",
-                spilled_batches=self._stats["spilled"],
-                spilled_rows=self._stats["spilled_rows"],
-                spill_files=files,
-            )
 
     async def _drain(self, deadline: float) -> None:
         def left() -> float:

@@ -13,12 +13,24 @@ the tracker refused, or that is still buffered when the close deadline passes, i
 to a spill file of :class:`StepRecord` lines (readable with
 :func:`~recis_async.trackers.read_records`, replayable with ``tracker.log``), never dropped.
 
+A ``put`` that finds the buffer full waits for room at most ``send_timeout`` seconds (60 by
+default, as the trace writer's ``send``): a tracker hung that long (a ``SubprocessTracker``
+call runs up to its ``call_timeout``, 300 s; an in-process one forever) is not going to take
+it soon, so the record is spilled instead, with the reason in a warning, and close raises
+naming the spill file and the replay command.  Nothing is dropped.
+
 A ``put`` waiting for room does not wait past a stop request (:meth:`TrackerService.watch_stop`:
 the hooks pass their bus's stop event): its record is then kept for the close, which delivers
 it within the bus's ``flush_timeout`` like everything buffered (a stop says nothing about the
 tracker: spilling there would turn a Ctrl-C that met a slow tracker into a replay owed).  What
 is kept so is bounded: past one more ``max_buffer_bytes`` (a loop running on after its stop
 while the tracker hangs) a record is spilled at once, with the reason, and close reports it.
+
+Close is idempotent and reports a failure once: a later ``aclose`` returns quietly.  A close
+cut short by a cancellation (a second stop signal) spills what it holds before the
+cancellation propagates, and the error it could not raise -- which names the spill files and
+how to replay them -- is handed to the bus by :meth:`TrackerService.take_close_error`, so the
+bus's own error names them too.
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import shlex
 import tempfile
 import threading
 from collections import deque
@@ -37,6 +50,7 @@ import anyio
 import msgspec
 
 from .._checks import on_error as check_on_error
+from .._checks import positive_number
 from ..console import log_failure
 from ..errors import OnError, TrackerError
 from ..events import EndStatus
@@ -53,17 +67,30 @@ from .base import (
 )
 from .jsonl import write_whole
 
-__all__ = ["TrackerService", "check_settings"]
+__all__ = ["DEFAULT_SEND_TIMEOUT", "TrackerService", "check_settings"]
 
 logger = logging.getLogger(__name__)
 
 _CALL_WAIT_S = 1.0  # how long close waits for an abandoned tracker.log call to end
+#: seconds a ``put`` waits for room in a full buffer before its record is spilled instead (the
+#: trace writer's ``send_timeout`` default too): a tracker stalled this long is not going to
+#: take it soon
+DEFAULT_SEND_TIMEOUT = 60.0
+_REPLAY = "python -m recis_async.trackers.replay"
 
 
 def check_settings(
-    max_buffer_bytes: object, flush_interval: object, on_error: object, *, owner: str
+    max_buffer_bytes: object,
+    flush_interval: object,
+    on_error: object,
+    *,
+    owner: str,
+    send_timeout: object = DEFAULT_SEND_TIMEOUT,
 ) -> None:
-    """Validate service settings, naming ``owner`` in the error (used by hooks' constructors)."""
+    """Validate service settings, naming ``owner`` in the error (used by hooks' constructors).
+
+    ``send_timeout`` is checked as the trace writer's is: a finite number of seconds > 0
+    (``TypeError`` for another type, ``ValueError`` out of range)."""
     if type(max_buffer_bytes) is not int or max_buffer_bytes <= 0:
         raise ValueError(
             f"{owner}.max_buffer_bytes: expected a positive int, got {max_buffer_bytes!r}"
@@ -75,6 +102,7 @@ def check_settings(
     ):
         raise ValueError(f"{owner}.flush_interval: expected seconds >= 0, got {flush_interval!r}")
     check_on_error(owner, "on_error", on_error)
+    positive_number(owner, "send_timeout", send_timeout)
 
 
 class _Call:
@@ -114,9 +142,14 @@ class TrackerService:
         on_error: what a failing tracker does: ``"raise"``, ``"log"`` or ``"disable"``.
         spill_dir: where records the tracker could not take are kept.
         default_status: the run's status at close if ``End`` never came.
+        send_timeout: the longest a :meth:`put` waits for room in a full buffer, in seconds;
+            then the record is spilled instead (a warning says why; close raises naming the
+            file).  Once a stop is requested (:meth:`watch_stop`) it waits no more: the record
+            is kept for close to deliver.
 
     Raises:
-        ValueError: a buffer size, interval or ``on_error`` out of range.
+        TypeError: a ``send_timeout`` that is not a number.
+        ValueError: a buffer size, interval, ``send_timeout`` or ``on_error`` out of range.
     """
 
     def __init__(
@@ -130,13 +163,21 @@ class TrackerService:
         on_error: OnError = "raise",
         spill_dir: str | os.PathLike[str] | None = None,
         default_status: EndStatus = "cancelled",
+        send_timeout: float = DEFAULT_SEND_TIMEOUT,
     ) -> None:
-        check_settings(max_buffer_bytes, flush_interval, on_error, owner="TrackerService")
+        check_settings(
+            max_buffer_bytes,
+            flush_interval,
+            on_error,
+            owner="TrackerService",
+            send_timeout=send_timeout,
+        )
         self.name = name
         self.tracker = tracker
         self.run_spec = run
         self.max_buffer_bytes = max_buffer_bytes
         self.flush_interval = float(flush_interval)
+        self.send_timeout = float(send_timeout)
         self.on_error: OnError = on_error
         self.spill_dir = Path(spill_dir) if spill_dir is not None else default_spill_dir()
         self.spill_path: Path | None = None
@@ -166,6 +207,10 @@ class TrackerService:
         self._stopping: Callable[[], anyio.Event] | None = None  # the bus's stop event
         self._kept_at_stop = 0  # records kept for the close past the buffer's bound
         self._no_room: list[Path] = []  # where records that found no room after a stop went
+        self._timed_out: list[Path] = []  # where records that waited send_timeout went
+        self._close_started = False
+        self._close_done: anyio.Event | None = None  # the one close has ended, however
+        self._unreported: Exception | None = None  # what a close cut short could not raise
         self._counts = {
             "records": 0,
             "logged": 0,
@@ -190,23 +235,41 @@ class TrackerService:
     async def put(self, record: StepRecord, nbytes: int | None = None) -> None:
         """Buffer one record; waits while the buffer holds ``max_buffer_bytes``.
 
-        The wait ends as soon as a stop was requested (:meth:`watch_stop`), and the record is
-        then kept for the close to deliver: the step need not wait for the tracker.  Records
-        kept so are bounded by another ``max_buffer_bytes``; past it a record is spilled at
-        once (a warning says why, and close raises naming the file).
+        The wait ends after ``send_timeout`` seconds: the record is then spilled instead (a
+        warning says why, and close raises naming the file and the replay command).  It ends
+        as soon as a stop was requested (:meth:`watch_stop`), and the record is then kept for
+        the close to deliver: the step need not wait for the tracker.  Records kept so are
+        bounded by another ``max_buffer_bytes``; past it a record is spilled at once (a
+        warning says why, and close raises naming the file).
 
         ``nbytes`` is the record's :func:`~recis_async.trackers.base.record_nbytes` when the
         caller computed it already."""
         if nbytes is None:
             nbytes = record_nbytes(record)
-        while not self.put_nowait(record, nbytes):
+        if self.put_nowait(record, nbytes):
+            return
+        give_up = anyio.current_time() + self.send_timeout
+        while True:
             stopping = None if self._stopping is None else self._stopping()
             if stopping is not None and stopping.is_set():
                 await self._keep_for_close(record, nbytes)
                 return
+            left = give_up - anyio.current_time()
+            if left <= 0:
+                held = self._pending_bytes + self._inflight_bytes
+                why = (
+                    f"waited send_timeout={self.send_timeout:g}s for room: the tracker took "
+                    f"nothing in that time ({held} bytes wait for it, "
+                    f"max_buffer_bytes={self.max_buffer_bytes})"
+                )
+                await self._spill_instead(record, why, self._timed_out)
+                return
             if self._wakeup is None:
                 self._wakeup = anyio.Event()
-            await first_of(self._wakeup, stopping)
+            with anyio.move_on_after(left):
+                await first_of(self._wakeup, stopping)
+            if self.put_nowait(record, nbytes):
+                return
 
     def watch_stop(self, stopping: Callable[[], anyio.Event]) -> None:
         """Make a :meth:`put` waiting for room stop waiting, and keep its record for close, as
@@ -235,6 +298,11 @@ class TrackerService:
             f"them (max_buffer_bytes={self.max_buffer_bytes}, and as much again kept at the "
             "stop): the tracker is not keeping up"
         )
+        await self._spill_instead(record, why, self._no_room)
+
+    async def _spill_instead(self, record: StepRecord, why: str, into: list[Path]) -> None:
+        """Spill ``record``, which found no room, now (shielded: a cancellation cannot lose
+        it); log why; note its file in ``into`` for close to report."""
         logger.warning(
             "%s: the record of step %d is spilled instead of buffered: %s",
             self.name,
@@ -245,7 +313,7 @@ class TrackerService:
         with anyio.CancelScope(shield=True):  # counted once it is in the file
             path = await self._spill([record])
         if path is not None:
-            self._no_room.append(path)
+            into.append(path)
 
     def put_nowait(self, record: StepRecord, nbytes: int) -> bool:
         """:meth:`put` when there is room: buffer the record (or drop it, once disabled) and
@@ -609,15 +677,52 @@ class TrackerService:
         At the deadline a tracker call still running is cut (``tracker.abort()`` where the
         tracker has one: a child process is killed), so nothing outlives the close.
         Cancelled (a second stop signal), it still spills what it holds before the
-        cancellation propagates."""
+        cancellation propagates; the error it could not raise is kept for
+        :meth:`take_close_error` (the bus names it in its own error) or the next ``aclose``.
+
+        Idempotent, and a failure is reported once: the close runs once; a later ``aclose``
+        (or one called while the first is under way, which it waits for until ``deadline``)
+        raises only what no earlier one reported."""
+        if self._close_done is None:
+            self._close_done = anyio.Event()
+        if self._close_started:
+            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+                await self._close_done.wait()
+            self._raise_unreported()
+            return
+        self._close_started = True
+        try:
+            await self._close(deadline)
+        finally:
+            self._close_done.set()
+        self._raise_unreported()
+
+    def take_close_error(self) -> Exception | None:
+        """The error the close found that no ``aclose`` has raised yet, or None; it counts
+        as reported from then on.  The bus calls it when it cut a close short (a second stop
+        signal, or an overrun deadline): a cancelled ``aclose`` cannot raise it, and the
+        user reading the bus's error must still find the spill files and how to replay
+        them."""
+        error, self._unreported = self._unreported, None
+        return error
+
+    def _raise_unreported(self) -> None:
+        error = self.take_close_error()
+        if error is not None:
+            raise error
+
+    async def _close(self, deadline: float) -> None:
         self._closing = True
         self._notify()
         if self._done is None:
             self._done = anyio.Event()
-        error: Exception | None = None
+        cancelled = False
         try:
             with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
                 await self._done.wait()
+        except anyio.get_cancelled_exc_class():
+            cancelled = True
+            raise
         finally:
             if not self._done.is_set():
                 abort = getattr(self.tracker, "abort", None)
@@ -629,18 +734,16 @@ class TrackerService:
                 if self._scope is not None:
                     self._scope.cancel()  # stop run() whatever happened to aclose
             with anyio.CancelScope(shield=True):
-                error = await self._keep_leftovers()
-        if error is not None:
-            raise error
+                self._unreported = await self._keep_leftovers(cancelled)
 
-    async def _keep_leftovers(self) -> Exception | None:
+    async def _keep_leftovers(self, cancelled: bool = False) -> Exception | None:
         """Spill what run() did not deliver; return the error close reports, if any."""
         assert self._done is not None
         timed_out = not self._done.is_set()
         pending = [record for record, _ in self._pending]
         inflight = list(self._inflight)
         if not timed_out and not pending and not inflight:
-            if self._no_room:
+            if self._no_room or self._timed_out:
                 return TrackerError(f"{self.name}:{self._no_room_text()}")
             return None
         self._pending.clear()
@@ -658,29 +761,47 @@ class TrackerService:
         # Records in a tracker call cut short may have landed: keep them apart so a replay
         # checks them against the store instead of duplicating them blindly.
         in_doubt = await self._spill(inflight, suffix=".inflight")
-        reason = "did not finish by the close deadline" if timed_out else "stopped early"
-        error = TimeoutError if timed_out else TrackerError
-        text = f"{self.name}: the tracker {reason}"
+        if cancelled:
+            what = "the close was cut short before the tracker finished"
+        elif timed_out:
+            what = "the tracker did not finish by the close deadline"
+        else:
+            what = "the tracker stopped early"
+        error = TimeoutError if timed_out and not cancelled else TrackerError
+        text = f"{self.name}: {what}"
         if unsent is not None:
-            text += f"; {len(pending)} unsent records spilled to {unsent}"
+            text += (
+                f"; {len(pending)} unsent records spilled to {unsent}: replay them with "
+                f"{_REPLAY} {shlex.quote(str(unsent))}"
+            )
         if in_doubt is not None:
             text += (
                 f"; {len(inflight)} in-flight records (delivery unknown) in {in_doubt}: "
-                f"settle them with python -m recis_async.trackers.replay {in_doubt}"
+                f"settle them with {_REPLAY} {shlex.quote(str(in_doubt))}"
             )
-        if self._no_room:
+        if self._no_room or self._timed_out:
             text += f";{self._no_room_text()}"
         if self._counts["lost"]:
             text += f"; {self._counts['lost']} records LOST (no spill file could be written)"
         return error(text)
 
     def _no_room_text(self) -> str:
-        files = ", ".join(str(path) for path in dict.fromkeys(self._no_room))
-        return (
-            f" {len(self._no_room)} records found no room after the stop request (the tracker "
-            f"was not keeping up) and were spilled to {files}: replay them with "
-            f"python -m recis_async.trackers.replay FILE"
-        )
+        parts = []
+        if self._no_room:
+            files = ", ".join(str(path) for path in dict.fromkeys(self._no_room))
+            parts.append(
+                f" {len(self._no_room)} records found no room after the stop request (the "
+                f"tracker was not keeping up) and were spilled to {files}: replay them with "
+                f"{_REPLAY} FILE"
+            )
+        if self._timed_out:
+            files = ", ".join(str(path) for path in dict.fromkeys(self._timed_out))
+            parts.append(
+                f" {len(self._timed_out)} records waited send_timeout={self.send_timeout:g}s "
+                f"for room (the tracker took nothing in that time) and were spilled to "
+                f"{files}: replay them with {_REPLAY} FILE"
+            )
+        return ";".join(parts)
 
     def stats(self) -> Mapping[str, Any]:
         return {
@@ -689,6 +810,7 @@ class TrackerService:
             "queued_records": len(self._pending) + len(self._inflight),
             "kept_at_stop": self._kept_at_stop,
             "spilled_no_room": len(self._no_room),
+            "spilled_send_timeout": len(self._timed_out),
             "spill_path": str(self.spill_path) if self.spill_path else None,
         }
 

@@ -7,11 +7,17 @@ import threading
 from pathlib import Path
 
 import anyio
+import pyarrow.dataset as pads
 import pytest
 
-from recis_async import HookBus
+from recis_async import HookBus, HookError, add_to_trace
+from recis_async.errors import SinkError, TraceDeliveryError
+from recis_async.events import AfterStep, BeforeStep
 from recis_async.hooks import TraceHook
 from recis_async.sinks import ParquetSink
+from recis_async.spill import replay_spill
+from recis_async.trace.base import Attempt
+from recis_async.trace.buffer import Batch
 from recis_async.trace.schema import OdpsType
 
 
@@ -99,3 +105,98 @@ async def test_a_cancelled_close_stops_waiting_for_the_open_at_once(
         while "closed" not in sink.calls:
             await anyio.sleep(0.01)
     assert sink.calls == ["open started", "opened", "closed"]
+
+
+class RefusingSink(ParquetSink):
+    """A real Parquet sink whose every write fails for good (a schema the table refuses)."""
+
+    def write(self, batch: Batch, attempt: Attempt) -> None:
+        raise SinkError(f"{self.name}: refused", transient=False)
+
+
+class HungSink(ParquetSink):
+    """A real Parquet sink whose writes wait for ``gate`` (at most 10 s, a bound on the test)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root, "t", rank=0)
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def write(self, batch: Batch, attempt: Attempt) -> None:
+        self.entered.set()
+        self.gate.wait(10)
+        super().write(batch, attempt)  # abandoned by then: publishes nothing
+
+
+async def _trace_steps(bus: HookBus, steps: range) -> None:
+    for step in steps:
+        await bus.publish(BeforeStep(global_step=step))
+        add_to_trace("id", [2 * step, 2 * step + 1])
+        await bus.publish(AfterStep(global_step=step))
+
+
+def _ids(root: Path) -> list[int]:
+    return sorted(pads.dataset(root / "t", format="parquet").to_table().column("id").to_pylist())
+
+
+@pytest.mark.anyio
+async def test_a_second_aclose_returns_quietly_after_the_first_reported(tmp_path: Path) -> None:
+    """aclose is idempotent (anyio's convention) and reports a failure once: the close the
+    bus ran raised the spill error; the user's own aclose after it returns without raising
+    it again, and the spill files stay named in the writer's stats, replayable once."""
+    hook = TraceHook(
+        RefusingSink(tmp_path, "t", rank=0),
+        ["id"],
+        ["bigint"],
+        size_threshold=1,  # a batch per step
+        spill_dir=tmp_path / "spill",
+    )
+    writer = hook.writer
+    with pytest.raises(HookError) as error:
+        async with HookBus(flush_timeout=5, handle_signals=False) as bus:
+            bus.add_hook(hook)
+            await _trace_steps(bus, range(3))
+    cause = error.value.__cause__
+    assert isinstance(cause, TraceDeliveryError) and cause.spilled_rows == 6
+    files = [str(p) for p in cause.spill_files]
+    assert len(files) == 3 and f"3 files in {tmp_path / 'spill'}" in str(error.value)
+    await writer.aclose(anyio.current_time() + 5)  # reported already: quiet
+    await writer.aclose(anyio.current_time() + 5)
+    assert writer.take_close_error() is None
+    assert writer.stats()["spill_files"] == files  # nothing hidden: still named here
+    for path in files:
+        replay_spill(path, ParquetSink(tmp_path, "t", rank=0))
+    assert _ids(tmp_path) == list(range(6))  # each row once
+
+
+@pytest.mark.anyio
+async def test_a_close_cut_short_reports_its_spill_once_through_take_close_error(
+    tmp_path: Path,
+) -> None:
+    """A close cancelled mid-way (as the bus cuts it on a second stop signal) keeps every
+    row in a spill file but cannot raise; ``take_close_error`` hands its error over (what the
+    bus names in its own), once; the bus's later aclose is then quiet."""
+    sink = HungSink(tmp_path)
+    hook = TraceHook(sink, ["id"], ["bigint"], size_threshold=1, spill_dir=tmp_path / "spill")
+    writer = hook.writer
+    try:
+        async with HookBus(flush_timeout=5, handle_signals=False) as bus:
+            bus.add_hook(hook)
+            await _trace_steps(bus, range(2))
+            with anyio.fail_after(5):
+                while not sink.entered.is_set():
+                    await anyio.sleep(0.01)
+            with anyio.move_on_after(0.2) as cut:
+                await writer.aclose(anyio.current_time() + 30)
+            assert cut.cancelled_caught
+            error = writer.take_close_error()
+            assert isinstance(error, TraceDeliveryError) and error.spilled_rows == 4
+            assert writer.take_close_error() is None  # handed over once
+            (path,) = error.spill_files
+            assert path.exists() and str(path) in str(error)
+            assert f"python -m recis_async.spill replay FILE --parquet {tmp_path}" in str(error)
+        # the bus's own close (the block ended without an error) reported nothing again
+    finally:
+        sink.gate.set()
+    replay_spill(path, ParquetSink(tmp_path, "t", rank=0))
+    assert _ids(tmp_path) == list(range(4))  # each row once

@@ -232,3 +232,110 @@ async def test_a_loop_running_on_after_its_stop_keeps_at_most_twice_the_buffer(
     for path in spill_files(tmp_path):
         replay_file(path, root=tracker.root)
     assert sorted(logged_steps(hook)) == [0, 1, 2, 3, 4, 5]  # each once
+
+
+@pytest.mark.usefixtures("either_bus")  # on HookBus and on SyncHookBus
+@pytest.mark.anyio
+async def test_a_hung_tracker_holds_a_step_at_most_send_timeout_then_its_record_is_spilled(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No stop request: a step whose record finds the buffer full while the tracker hangs
+    waits ``send_timeout`` seconds, not as long as the tracker's call (300 s for a
+    SubprocessTracker, forever in process); its record is then spilled with the reason, the
+    close raises naming the file and the replay command, and after that replay every step is
+    in the run once."""
+    gate = threading.Event()
+    hook = MLTrackerHook(
+        "p",
+        "stop",
+        tracker=GatedJsonl(tmp_path / "runs", gate, hang=15),
+        max_buffer_bytes=BUFFER,
+        flush_interval=0,
+        spill_dir=tmp_path / "spill",
+        send_timeout=0.3,
+    )
+    tracker = gated_tracker(hook)
+    try:
+        with pytest.raises(HookError, match="waited send_timeout=0.3s for room") as error:
+            with anyio.fail_after(30):
+                async with HookBus(flush_timeout=10, handle_signals=False) as bus:
+                    bus.add_hook(hook)
+                    await step(bus, 0)
+                    for n in (1, 2):  # no room: step 0's record waits for the hung tracker
+                        assert 0.25 < await step(bus, n) < 5
+                    assert tracker.entered.is_set()  # in the hung call (a sync bus's loop
+                    # runs during its publishes only: no waiting for it in between)
+                    assert not gate.is_set() and not bus.should_stop
+                    assert hook.service is not None
+                    stats = hook.service.stats()
+                    assert (stats["spilled_send_timeout"], stats["spilled"]) == (2, 2)
+                    gate.set()  # the tracker catches up: the next steps go through
+                    for n in (3, 4):
+                        await step(bus, n)
+    finally:
+        gate.set()
+    assert "the record of step 1 is spilled instead of buffered: waited send_timeout" in (
+        caplog.text
+    )
+    (path,) = spill_files(tmp_path)
+    assert spilled_steps(tmp_path) == [1, 2]
+    text = str(error.value)
+    assert "2 records waited send_timeout=0.3s" in text
+    assert f"spilled to {path}: replay them with python -m recis_async.trackers.replay" in text
+    assert sorted(logged_steps(hook)) == [0, 3, 4]
+    replay_file(path, root=tracker.root)  # the sidecar names the test's subclass
+    assert sorted(logged_steps(hook)) == [0, 1, 2, 3, 4]  # each once
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_send_timeout_bounds_a_sync_bus_publish_too(tmp_path: Path, backend: str) -> None:
+    """The same through a SyncHookBus's own loop on each backend, as the adapters publish."""
+    gate = threading.Event()
+    hook = MLTrackerHook(
+        "p",
+        "stop",
+        tracker=GatedJsonl(tmp_path / "runs", gate, hang=15),
+        max_buffer_bytes=BUFFER,
+        flush_interval=0,
+        spill_dir=tmp_path / "spill",
+        send_timeout=0.3,
+    )
+    tracker = gated_tracker(hook)
+    try:
+        with pytest.raises(HookError, match="1 records waited send_timeout=0.3s"):
+            with SyncHookBus(flush_timeout=10, backend=backend, handle_signals=False) as bus:
+                bus.add_hook(hook)
+                bus.publish(AfterStep(global_step=0, tracked={"loss": 0.0}))
+                t = time.monotonic()
+                bus.publish(AfterStep(global_step=1, tracked={"loss": 1.0}))  # no room
+                assert 0.25 < time.monotonic() - t < 5
+                assert tracker.entered.is_set()
+                gate.set()
+                bus.publish(AfterStep(global_step=2, tracked={"loss": 2.0}))
+    finally:
+        gate.set()
+    (path,) = spill_files(tmp_path)
+    replay_file(path, root=tracker.root)
+    assert sorted(logged_steps(hook)) == [0, 1, 2]  # each once
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [(0, ValueError), (-1.0, ValueError), (float("inf"), ValueError), ("60", TypeError)],
+)
+def test_send_timeout_is_checked_at_the_constructor(
+    tmp_path: Path, value: object, error: type[Exception]
+) -> None:
+    from recis_async.hooks import SummarySaverHook
+    from recis_async.trackers import RunSpec, TrackerService
+
+    with pytest.raises(error, match=r"MLTrackerHook\(send_timeout=\.\.\.\): expected"):
+        MLTrackerHook("p", "r", tracker=JsonlTracker(tmp_path), send_timeout=value)  # type: ignore[arg-type]
+    with pytest.raises(error, match=r"SummarySaverHook\(send_timeout=\.\.\.\): expected"):
+        SummarySaverHook(1, tmp_path / "tb", send_timeout=value)  # type: ignore[arg-type]
+    with pytest.raises(error, match=r"TrackerService\(send_timeout=\.\.\.\): expected"):
+        TrackerService(
+            JsonlTracker(tmp_path),
+            RunSpec(project="p", name="r"),
+            send_timeout=value,  # type: ignore[arg-type]
+        )  # type: ignore[arg-type]

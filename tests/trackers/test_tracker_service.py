@@ -3,6 +3,7 @@ backends, under backpressure, tracker failures in each on_error mode, and a clos
 
 from __future__ import annotations
 
+import shlex
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -21,6 +22,7 @@ from recis_async.trackers import (
     TrackerService,
     read_records,
 )
+from recis_async.trackers.replay import replay_file
 
 pytestmark = pytest.mark.anyio
 
@@ -288,3 +290,81 @@ async def test_a_hurried_close_names_only_the_spill_files_it_wrote(tmp_path: Pat
     assert all(path.exists() for path in service.spill_files)
     assert str(service.spill_files[0]) in str(info.value) and "unsent" not in str(info.value)
     assert service.spill_path is None  # no file of unsent records was written
+
+
+async def test_a_close_cut_short_hands_its_error_over_once_and_aclose_is_idempotent(
+    tmp_path: Path,
+) -> None:
+    """A close cancelled mid-way (the bus cuts it on a second stop signal) spills what it
+    holds but cannot raise; ``take_close_error`` hands over its error naming each file and
+    the replay command, once; a later aclose returns quietly.  Replaying the files named
+    puts each step in the run once."""
+    gate = threading.Event()
+    tracker = FaultyTracker(tmp_path, gate=gate)
+    service = _service(tracker, tmp_path)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(service.run)
+            await service.put(_record(0))
+            await anyio.to_thread.run_sync(tracker.entered.wait, 10)
+            await service.put(_record(1))  # buffered behind the hung call
+            with anyio.move_on_after(0.2) as cut:
+                await service.aclose(anyio.current_time() + 30)
+            assert cut.cancelled_caught
+            error = service.take_close_error()
+            assert isinstance(error, TrackerError) and "the close was cut short" in str(error)
+            assert service.take_close_error() is None  # handed over once
+            await service.aclose(anyio.current_time() + 1)  # reported: quiet
+            await service.aclose(anyio.current_time() + 1)
+    finally:
+        gate.set()
+    files = sorted(service.spill_files)
+    assert len(files) == 2
+    for path in files:
+        assert path.exists()
+        assert f"python -m recis_async.trackers.replay {shlex.quote(str(path))}" in str(error)
+    assert await anyio.to_thread.run_sync(lambda: _wait_delivered(tracker, [0]))
+    for path in files:
+        replay_file(path, root=tmp_path)
+    assert sorted(_delivered(tracker)) == [0, 1]  # each once
+
+
+def _wait_delivered(tracker: JsonlTracker, steps: list[int]) -> bool:
+    """Wait (at most 10 s) until the abandoned call has written ``steps``."""
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        if tracker.run_dir is not None and (tracker.run_dir / "metrics.jsonl").exists():
+            if _delivered(tracker) == steps:
+                return True
+        time.sleep(0.02)
+    return False
+
+
+async def test_a_second_aclose_does_not_raise_the_first_ones_error_again(tmp_path: Path) -> None:
+    """aclose is idempotent and reports a failure once: the first close raises that records
+    were spilled (they found no room after a stop request), a second returns quietly; the
+    spill file stays named in ``spill_files`` and replays each step once."""
+    gate = threading.Event()
+    tracker = FaultyTracker(tmp_path, gate=gate)
+    service = _service(tracker, tmp_path, max_buffer_bytes=150)  # one record fits
+    stop = anyio.Event()
+    service.watch_stop(lambda: stop)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(service.run)
+            await service.put(_record(0))
+            await anyio.to_thread.run_sync(tracker.entered.wait, 10)
+            stop.set()
+            for step in range(1, 4):  # 1 kept for the close, 2 and 3 spilled at once
+                await service.put(_record(step))
+            gate.set()
+            with pytest.raises(TrackerError, match="2 records found no room after the stop"):
+                await service.aclose(anyio.current_time() + 10)
+            await service.aclose(anyio.current_time() + 10)  # reported once: quiet
+            assert service.take_close_error() is None
+    finally:
+        gate.set()
+    assert _delivered(tracker) == [0, 1]
+    (path,) = service.spill_files
+    replay_file(path, root=tmp_path)
+    assert sorted(_delivered(tracker)) == [0, 1, 2, 3]  # each once
