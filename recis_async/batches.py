@@ -53,16 +53,22 @@ def to_device(batch: Any, device: torch.device, keep_on_host: Collection[str] = 
     """``batch`` with its tensors on ``device`` (dicts, lists, tuples and named tuples walked;
     other values as they are).  A dict entry whose key is in ``keep_on_host`` stays where it
     is (ids for an embedding table's host-side id map).  Host tensors travel through pinned
-    memory with non-blocking copies; tensors already on ``device`` are returned as they are.
+    memory with non-blocking copies; tensors already on ``device`` are returned as they are,
+    and a dict in which nothing moves comes back itself, not a copy (on the CPU, the step's
+    batch costs no dict).
     """
     if isinstance(batch, torch.Tensor):
         return _tensor_to(batch, device)
     if isinstance(batch, dict):
-        out = batch.copy()  # the same kind of dict (OrderedDict, defaultdict...)
+        out = None  # a copy only when something moves (on the CPU, nothing does)
         for k, v in batch.items():
             if k not in keep_on_host:
-                out[k] = to_device(v, device, keep_on_host)
-        return out
+                moved = to_device(v, device, keep_on_host)
+                if moved is not v:
+                    if out is None:
+                        out = batch.copy()  # the same kind of dict (OrderedDict, defaultdict...)
+                    out[k] = moved
+        return batch if out is None else out
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
         return type(batch)(*(to_device(v, device, keep_on_host) for v in batch))
     if isinstance(batch, list | tuple):
@@ -71,7 +77,7 @@ def to_device(batch: Any, device: torch.device, keep_on_host: Collection[str] = 
 
 
 def _tensor_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if t.device == device:
+    if device.type == "cpu" and t.is_cpu or t.device == device:  # (is_cpu builds no device)
         return t
     if t.device.type == "cpu" and device.type == "cuda" and not t.is_pinned():
         t = t.pin_memory()  # from pageable memory the copy would wait for the device's queue
