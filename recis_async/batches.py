@@ -57,27 +57,35 @@ def to_device(batch: Any, device: torch.device, keep_on_host: Collection[str] = 
     and a dict in which nothing moves comes back itself, not a copy (on the CPU, the step's
     batch costs no dict).
     """
-    if isinstance(batch, torch.Tensor):
-        return _tensor_to(batch, device)
-    if isinstance(batch, dict):
+    return _to(batch, device, device.type == "cpu", keep_on_host)
+
+
+def _to(batch: Any, device: torch.device, to_cpu: bool, keep: Collection[str]) -> Any:
+    """:func:`to_device`, with whether ``device`` is the CPU worked out once per batch (a
+    ``device.type`` read costs more than the check it feeds)."""
+    if type(batch) is dict or isinstance(batch, dict):
         out = None  # a copy only when something moves (on the CPU, nothing does)
         for k, v in batch.items():
-            if k not in keep_on_host:
-                moved = to_device(v, device, keep_on_host)
+            if k not in keep:
+                moved = _to(v, device, to_cpu, keep)
                 if moved is not v:
                     if out is None:
                         out = batch.copy()  # the same kind of dict (OrderedDict, defaultdict...)
                     out[k] = moved
         return batch if out is None else out
+    if isinstance(batch, torch.Tensor):
+        if to_cpu:
+            return batch if batch.is_cpu else batch.to(device)
+        return _tensor_to(batch, device)
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
-        return type(batch)(*(to_device(v, device, keep_on_host) for v in batch))
+        return type(batch)(*(_to(v, device, to_cpu, keep) for v in batch))
     if isinstance(batch, list | tuple):
-        return type(batch)(to_device(v, device, keep_on_host) for v in batch)
+        return type(batch)(_to(v, device, to_cpu, keep) for v in batch)
     return batch
 
 
 def _tensor_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cpu" and t.is_cpu or t.device == device:  # (is_cpu builds no device)
+    if t.device == device:
         return t
     if t.device.type == "cpu" and device.type == "cuda" and not t.is_pinned():
         t = t.pin_memory()  # from pageable memory the copy would wait for the device's queue

@@ -186,7 +186,16 @@ def add_metric(name: str, value: Any, reduce: Reduction = "mean") -> None:
         _check_name("add_metric", name)
     if reduce != "mean":
         reduce = check_reduction(f"add_metric({name!r}, reduce=...)", reduce)
-    if type(value) is torch.Tensor:  # the common case: a loss
+    if (
+        type(value) is torch.Tensor  # the common case: a loss on the CPU, read now
+        and value.is_cpu
+        and READ_CPU_AT_CALL
+        and value.numel() == 1
+        and value.dtype in _METRIC_DTYPES
+        and value.layout is _STRIDED
+    ):
+        value = _cpu_item("add_metric", name, value)
+    elif type(value) is torch.Tensor:
         if (
             value.is_meta
             or value.is_nested
@@ -205,6 +214,17 @@ def add_metric(name: str, value: Any, reduce: Reduction = "mean") -> None:
         collector.reduce[name] = reduce
     elif collector.reduce:
         collector.reduce.pop(name, None)
+
+
+def _cpu_item(caller: str, name: str, value: torch.Tensor) -> Any:
+    """The number in a one-element strided CPU tensor of a metric dtype (checked by the
+    caller, with the fewest tensor attribute reads: each costs the step); a nested tensor,
+    which none of those reads tells apart, is refused here by name."""
+    try:
+        return value.item()
+    except NotImplementedError:
+        _check_tensor(caller, name, value)  # raises for what item() cannot read
+        raise
 
 
 def _host_array(caller: str, name: str, value: torch.Tensor) -> np.ndarray:
@@ -379,16 +399,16 @@ def add_to_ml_tracker(name: str, value: Any) -> None:
     if type(value) is float or type(value) is int:  # the common case, kept cheap on the step
         collector.tracked[name] = value
         return
-    if type(value) is torch.Tensor and value.is_cpu and READ_CPU_AT_CALL:
-        # the common case (a loss on the CPU): one element of a real dtype, read now
-        if (
-            value.dtype in _METRIC_DTYPES
-            and value.layout is _STRIDED
-            and not value.is_nested
-            and value.numel() == 1
-        ):
-            collector.tracked[name] = value.item()
-            return
+    if (
+        type(value) is torch.Tensor  # the common case: a loss on the CPU, read now
+        and value.is_cpu
+        and READ_CPU_AT_CALL
+        and value.numel() == 1
+        and value.dtype in _METRIC_DTYPES
+        and value.layout is _STRIDED
+    ):
+        collector.tracked[name] = _cpu_item("add_to_ml_tracker", name, value)
+        return
     if isinstance(value, torch.Tensor):
         _check_tensor("add_to_ml_tracker", name, value)
         resolved = _resolved(value.dtype)
