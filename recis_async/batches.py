@@ -53,20 +53,34 @@ def to_device(batch: Any, device: torch.device, keep_on_host: Collection[str] = 
     """``batch`` with its tensors on ``device`` (dicts, lists, tuples and named tuples walked;
     other values as they are).  A dict entry whose key is in ``keep_on_host`` stays where it
     is (ids for an embedding table's host-side id map).  Host tensors travel through pinned
-    memory with non-blocking copies; tensors already on ``device`` are returned as they are.
+    memory with non-blocking copies; tensors already on ``device`` are returned as they are,
+    and a dict in which nothing moves comes back itself, not a copy (on the CPU, the step's
+    batch costs no dict).
     """
-    if isinstance(batch, torch.Tensor):
-        return _tensor_to(batch, device)
-    if isinstance(batch, dict):
-        out = batch.copy()  # the same kind of dict (OrderedDict, defaultdict...)
+    return _to(batch, device, device.type == "cpu", keep_on_host)
+
+
+def _to(batch: Any, device: torch.device, to_cpu: bool, keep: Collection[str]) -> Any:
+    """:func:`to_device`, with whether ``device`` is the CPU worked out once per batch (a
+    ``device.type`` read costs more than the check it feeds)."""
+    if type(batch) is dict or isinstance(batch, dict):
+        out = None  # a copy only when something moves (on the CPU, nothing does)
         for k, v in batch.items():
-            if k not in keep_on_host:
-                out[k] = to_device(v, device, keep_on_host)
-        return out
+            if k not in keep:
+                moved = _to(v, device, to_cpu, keep)
+                if moved is not v:
+                    if out is None:
+                        out = batch.copy()  # the same kind of dict (OrderedDict, defaultdict...)
+                    out[k] = moved
+        return batch if out is None else out
+    if isinstance(batch, torch.Tensor):
+        if to_cpu:
+            return batch if batch.is_cpu else batch.to(device)
+        return _tensor_to(batch, device)
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
-        return type(batch)(*(to_device(v, device, keep_on_host) for v in batch))
+        return type(batch)(*(_to(v, device, to_cpu, keep) for v in batch))
     if isinstance(batch, list | tuple):
-        return type(batch)(to_device(v, device, keep_on_host) for v in batch)
+        return type(batch)(_to(v, device, to_cpu, keep) for v in batch)
     return batch
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Coroutine, Iterator, Mapping
 from contextvars import Token
 from time import perf_counter
 from types import TracebackType
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -593,10 +593,11 @@ class HookBus:
         kind = route.kind
         if kind:
             if kind == KIND_AFTER_STEP:
-                if self._collector.pending:
-                    event = self._with_collected(cast(AfterStep, event))
-                    if self._collector.host.full:  # back-pressure: the device is behind
-                        await self._collector.host.make_room(self._stopping)
+                collector = self._collector
+                if collector.metrics or collector.trace or collector.tracked:
+                    event = self._with_collected(event)  # type: ignore[arg-type]
+                    if collector.host.full:  # back-pressure: the device is behind
+                        await collector.host.make_room(self._stopping)
             elif kind == KIND_BEFORE_STEP:
                 self._collector.begin_step(event.is_train)
             elif kind == KIND_OUT_OF_DATA:

@@ -61,16 +61,20 @@ class StepCollector:
             self.is_train = is_train
             self.drop()
 
-    @property
-    def pending(self) -> bool:
-        return bool(self.metrics or self.trace or self.tracked)
-
     def take(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
         """Hand over the step's metrics, trace, tracked values and reductions; start empty.
         The host copies of earlier steps go to the copy-out thread (see
         :meth:`~recis_async.hostcopy.HostBufferPool.next_step`)."""
         taken = (self.metrics, self.trace, self.tracked, self.reduce)
-        self.metrics, self.trace, self.tracked, self.reduce = {}, {}, {}, {}
+        # only what is handed over is replaced (an empty dict stays nobody else's)
+        if taken[0]:
+            self.metrics = {}
+        if taken[1]:
+            self.trace = {}
+        if taken[2]:
+            self.tracked = {}
+        if taken[3]:
+            self.reduce = {}
         if self.host.busy:  # a job on the CPU never copies: nothing to hand over
             self.host.next_step()
         return taken
@@ -91,6 +95,8 @@ class StepCollector:
 READ_CPU_AT_CALL: Final = True
 
 _current: ContextVar[StepCollector | None] = ContextVar("recis_async_collector", default=None)
+_STRIDED: Final = torch.strided
+_METRIC_DTYPES: Final = metric_dtypes()
 
 
 def bind(collector: StepCollector) -> Token[StepCollector | None]:
@@ -180,14 +186,26 @@ def add_metric(name: str, value: Any, reduce: Reduction = "mean") -> None:
         _check_name("add_metric", name)
     if reduce != "mean":
         reduce = check_reduction(f"add_metric({name!r}, reduce=...)", reduce)
-    if type(value) is torch.Tensor:  # the common case on a GPU: a device copy, no read
-        if value.is_meta or value.is_nested or value.layout is not torch.strided:
-            _check_metric_tensor(name, value)
-        elif value.dtype not in metric_dtypes():
-            _check_metric_tensor(name, value)
+    if (
+        type(value) is torch.Tensor  # the common case: a loss on the CPU, read now
+        and value.is_cpu
+        and READ_CPU_AT_CALL
+        and value.numel() == 1
+        and value.dtype in _METRIC_DTYPES
+        and value.layout is _STRIDED
+    ):
+        value = _cpu_item("add_metric", name, value)
+    elif type(value) is torch.Tensor:
+        if (
+            value.is_meta
+            or value.is_nested
+            or value.layout is not _STRIDED
+            or value.dtype not in _METRIC_DTYPES
+        ):
+            _check_metric_tensor(name, value)  # raises, naming what is wrong
         if value.is_cpu and READ_CPU_AT_CALL:  # host memory: the read waits for nothing
             value = value.item() if value.numel() == 1 else _host_array("add_metric", name, value)
-        else:  # a tensor without grad (the usual ``loss.detach()``) needs no second detach
+        else:  # on a device: a copy, no read (``loss.detach()`` needs no second detach)
             value = (value.detach() if value.requires_grad else value).clone()
     elif type(value) is not float and type(value) is not int:  # the common case, kept cheap
         value = _metric_value(name, value, reduce)
@@ -196,6 +214,17 @@ def add_metric(name: str, value: Any, reduce: Reduction = "mean") -> None:
         collector.reduce[name] = reduce
     elif collector.reduce:
         collector.reduce.pop(name, None)
+
+
+def _cpu_item(caller: str, name: str, value: torch.Tensor) -> Any:
+    """The number in a one-element strided CPU tensor of a metric dtype (checked by the
+    caller, with the fewest tensor attribute reads: each costs the step); a nested tensor,
+    which none of those reads tells apart, is refused here by name."""
+    try:
+        return value.item()
+    except NotImplementedError:
+        _check_tensor(caller, name, value)  # raises for what item() cannot read
+        raise
 
 
 def _host_array(caller: str, name: str, value: torch.Tensor) -> np.ndarray:
@@ -369,6 +398,16 @@ def add_to_ml_tracker(name: str, value: Any) -> None:
         _check_name("add_to_ml_tracker", name)
     if type(value) is float or type(value) is int:  # the common case, kept cheap on the step
         collector.tracked[name] = value
+        return
+    if (
+        type(value) is torch.Tensor  # the common case: a loss on the CPU, read now
+        and value.is_cpu
+        and READ_CPU_AT_CALL
+        and value.numel() == 1
+        and value.dtype in _METRIC_DTYPES
+        and value.layout is _STRIDED
+    ):
+        collector.tracked[name] = _cpu_item("add_to_ml_tracker", name, value)
         return
     if isinstance(value, torch.Tensor):
         _check_tensor("add_to_ml_tracker", name, value)

@@ -250,7 +250,7 @@ class Trainer:
         self.global_step = 0
         self.epoch = 0
         self._last_eval: dict[str, Any] = {}
-        self._last_at = _At(True, 0, 0, 0)  # the last training step: a leftover update's
+        self._last_local = 0  # the last training step's local_step: a leftover update's
         self._agreement: Agreement | None = None  # while a distributed training loop runs
         self.logger_hook = LoggerHook(log_step=args.log_steps)
         self.data_position = DataPosition()  # saved in checkpoints under "Trainer"
@@ -544,30 +544,48 @@ class Trainer:
             if first.value != CONTINUE:
                 return await self._end_pass(bus, first.value, batches, local, epoch)
             agreement.start(await self._offer_or_fail(bus, batches, 2), self.global_step)
+        # The step's own code runs right after the model's compute, with Python's code out of
+        # cache: kept to few calls (events built directly, a publish only where one listens).
+        has = bus.has_subscribers
         while self._steps_left():
-            at = _At(True, self.global_step, local, epoch)
+            step = self.global_step
             try:
-                await bus.publish(at(BeforeStep))
+                await bus.publish(
+                    BeforeStep(is_train=True, global_step=step, local_step=local, epoch=epoch)
+                )
                 try:
                     batch = batches.take()
                 except StopIteration:
-                    await bus.publish(at(OutOfData))
+                    await bus.publish(_At(True, step, local, epoch)(OutOfData))
                     return True
                 self.data_position.batches += 1
-                if bus.has_subscribers(AfterData):  # (an event nobody receives is not built)
-                    await bus.publish(at(AfterData))
+                if has(AfterData):  # (an event nobody receives is not built)
+                    await bus.publish(_At(True, step, local, epoch)(AfterData))
                 loss = _trainable(_loss_of(self.model(batch)))
                 (loss / accumulate if accumulate > 1 else loss).backward()
-                sync = (self.global_step + 1) % accumulate == 0
-                if bus.has_subscribers(AfterBackward):
-                    await bus.publish(at(AfterBackward, sync=sync))
-                if sync:
-                    await self._optimizer_step(bus, at)
-                add_metric("loss", loss.detach())  # a device tensor: read at the log window
-                self.global_step += 1
+                if (step + 1) % accumulate == 0:
+                    if has(AfterBackward) or has(BeforeOptimizerStep) or has(AfterOptimizerStep):
+                        at = _At(True, step, local, epoch)
+                        if has(AfterBackward):
+                            await bus.publish(at(AfterBackward, sync=True))
+                        await self._optimizer_step(bus, at)
+                    else:
+                        self._step_optimizer()
+                elif has(AfterBackward):
+                    await bus.publish(_At(True, step, local, epoch)(AfterBackward, sync=False))
+                add_metric("loss", loss)  # a device's tensor is read at the log window
+                self.global_step = step + 1
+                self._last_local = local
                 local += 1
-                self._last_at = at
-                await bus.publish(at(AfterStep, samples=batch_size(batch)))
+                await bus.publish(
+                    AfterStep(
+                        is_train=True,
+                        global_step=step,
+                        local_step=local - 1,
+                        epoch=epoch,
+                        samples=batch_size(batch),
+                    )
+                )
                 offer = (
                     self._offer(bus, batches, 2)
                     if agreement is not None and self._steps_left()
@@ -678,17 +696,22 @@ class Trainer:
         optimizers = (self.optimizer,)
         if bus.has_subscribers(BeforeOptimizerStep):
             await bus.publish(at(BeforeOptimizerStep, optimizers=optimizers))
+        self._step_optimizer()
+        if bus.has_subscribers(AfterOptimizerStep):
+            await bus.publish(at(AfterOptimizerStep, optimizers=optimizers))
+
+    def _step_optimizer(self) -> None:
+        """The optimizer's step, its gradients cleared, the LR scheduler's step."""
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        if bus.has_subscribers(AfterOptimizerStep):
-            await bus.publish(at(AfterOptimizerStep, optimizers=optimizers))
 
     async def _flush_accumulated(self, bus: HookBus) -> None:
         """Apply gradients left over when the data ended mid-accumulation."""
         if self.global_step % self.args.gradient_accumulation_steps:
-            await self._optimizer_step(bus, self._last_at)
+            at = _At(True, self.global_step - 1, self._last_local, self.epoch)
+            await self._optimizer_step(bus, at)
 
     async def _evaluate(self, bus: HookBus) -> dict[str, Any]:
         was_training = getattr(self.model, "training", False)
@@ -789,7 +812,7 @@ def _loss_of(output: Any) -> torch.Tensor:
     """The loss in what ``model(batch)`` returned: the scalar loss tensor; a mapping with
     ``"loss"`` whose other scalar entries become metrics (HF's convention); or a tuple/list
     whose first item is the loss."""
-    if isinstance(output, Mapping):
+    if type(output) is dict or isinstance(output, Mapping):  # (a dict skips the ABC check)
         if "loss" not in output:
             raise TypeError(
                 "model(batch): expected the scalar loss tensor, a dict with 'loss' or a tuple "

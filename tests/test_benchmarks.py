@@ -4,6 +4,7 @@ what a real run prints (the figures themselves are measured on the hardware they
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -117,3 +118,34 @@ def test_bench_peers_pairs_each_repetitions_configs() -> None:
         "plain-again": ["+0 (+20, -20)", "–"],
         "own": ["+135 (+190, +80)", "-125 (-100, -150)"],
     }, table
+
+
+@pytest.mark.slow
+def test_bench_instructions_child_runs_each_path_without_valgrind() -> None:
+    """``bench_instructions.py --child``: the job of each path runs as it will under callgrind
+    (its time-based work scaled), start to end, on a machine without valgrind too."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for config in ("plain", "trainer", "async-loop", "sync-loop"):
+        proc = subprocess.run(
+            [sys.executable, "benchmarks/bench_instructions.py", "--child", config,
+             "--steps", "5"],
+            env=env, capture_output=True, text=True, timeout=600, cwd=ROOT,
+        )  # fmt: skip
+        assert proc.returncode == 0, config + proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind")
+def test_bench_instructions_counts_each_path_under_callgrind() -> None:
+    """``bench_instructions.py``: a count per path, the plain loop's first, each over it."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/bench_instructions.py", "--only", "async-loop",
+         "--steps", "5"],
+        env=env, capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line[:3] == "| p"
+            or line[:3] == "| a"]  # fmt: skip
+    assert [r[0].strip() for r in rows] == ["path", "plain", "async-loop"], proc.stdout
+    assert rows[1][2].strip() == "+0.0" and float(rows[2][1]) > 100, proc.stdout

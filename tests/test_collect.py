@@ -245,3 +245,16 @@ async def test_tensors_without_readable_values_are_refused_naming_the_call() -> 
             ValueError, match=r"add_to_trace\('x'\): expected a dense tensor, got a nested"
         ):
             add_to_trace("x", nested)
+        # one element each: the shapes a loss has, which the collectors read at the call
+        one = {
+            "a nested tensor": torch.nested.nested_tensor([torch.ones(1)]),
+            "layout torch.sparse_coo": torch.ones(1).to_sparse(),
+            "layout torch.sparse_csr": torch.ones(1, 1).to_sparse_csr(),
+        }
+        for call in (add_metric, add_to_ml_tracker):
+            for what, value in one.items():
+                with pytest.raises(
+                    ValueError,
+                    match=rf"{call.__name__}\('x'\): expected a dense tensor, got {what}",
+                ):
+                    call("x", value)

@@ -36,8 +36,18 @@ def test_to_device_moves_nested_tensors_and_leaves_the_rest() -> None:
     assert text == "text" and pair.b == 7 and isinstance(pair, Pair)
     assert moved["name"] == "b0"
     assert isinstance(moved["ordered"], OrderedDict) and moved["ordered"]["x"].device == META
+    assert moved is not batch and batch["dense"].device.type == "cpu"  # the user's dict kept
     cpu = torch.device("cpu")
     assert to_device(batch, cpu)["dense"] is batch["dense"]  # already there: no copy
+
+
+def test_a_dict_batch_with_nothing_to_move_comes_back_as_it_is() -> None:
+    batch = {"x": torch.ones(2), "ids": torch.arange(2), "name": "b0"}
+    assert to_device(batch, torch.device("cpu")) is batch  # not even the dict is copied
+    assert to_device(batch, META, keep_on_host={"x", "ids"}) is batch
+    half = to_device(batch, META, keep_on_host={"ids"})
+    assert half is not batch and half["x"].device == META and half["ids"] is batch["ids"]
+    assert batch["x"].device.type == "cpu"
 
 
 def test_lookahead_reads_ahead_once_and_hands_out_in_order() -> None:

@@ -127,6 +127,10 @@ class LoggerHook(Hook):
         self.logger = logger_or(type(self).__name__, logger, "recis_async.hooks.logger")
         self._clock = clock
         self._windows = {True: _Window(), False: _Window()}
+        # the mode of the last step seen and its window: only its segment can be open, so a
+        # step of the same mode has nothing to close (the common case, kept to one test)
+        self._mode: bool | None = None
+        self._window = self._windows[True]
         # per mode: whether the publisher numbers its steps (a nonzero local_step was seen);
         # until then <lstep=..> shows the hook's own count, as RecIS's LoggerHook does
         self._numbered = {True: False, False: False}
@@ -135,25 +139,28 @@ class LoggerHook(Hook):
     def attach(self, bus: HookBus) -> None:
         self._reads.start(bus)
 
-    def _enter(self, is_train: bool, now: float) -> _Window:
-        """Open this mode's segment if needed and close the other mode's."""
+    def _enter(self, is_train: bool) -> _Window:
+        """Switch to this mode's window, closing the other mode's segment at its last step."""
         other = self._windows[not is_train]
         if other.seg_start is not None:
             other.busy += max(0.0, other.last_end - other.seg_start)
             other.seg_start = None
-        return self._windows[is_train]
+        self._mode = is_train
+        self._window = window = self._windows[is_train]
+        return window
 
     def before_step(self, event: BeforeStep) -> None:
-        now = self._clock()
-        window = self._enter(event.is_train, now)
-        if window.seg_start is None:
-            window.seg_start = now
+        is_train = event.is_train
+        window = self._window if is_train is self._mode else self._enter(is_train)
+        if window.seg_start is None:  # the segment starts with this step
+            window.seg_start = self._clock()
 
     def after_step(self, event: AfterStep) -> Awaitable[None] | None:
         """Sync; a coroutine only at a log step whose line waits for reads (tensor values, or
         earlier lines still being read) or for the all-reduce."""
         now = self._clock()
-        window = self._enter(event.is_train, now)
+        is_train = event.is_train
+        window = self._window if is_train is self._mode else self._enter(is_train)
         if window.seg_start is None:
             # No BeforeStep opened the window: this step's start is unknown, so it opens the
             # window and is not timed.
@@ -164,10 +171,10 @@ class LoggerHook(Hook):
         window.last_end = now
         lstep = window.count
         window.count += 1
-        if event.local_step or self._numbered[event.is_train]:
-            self._numbered[event.is_train] = True
+        if event.local_step or self._numbered[is_train]:
+            self._numbered[is_train] = True
             lstep = event.local_step
-        due = self._cadence.due(event) if event.is_train else window.count % self.log_step == 0
+        due = self._cadence.due(event) if is_train else window.count % self.log_step == 0
         if not due:
             return None
         elapsed = window.busy + (now - window.seg_start)
@@ -213,6 +220,8 @@ class LoggerHook(Hook):
         """One summary line per evaluation (after the lines of its steps still being read);
         the eval counters restart for the next one."""
         self._windows[False] = _Window()
+        if self._mode is False:
+            self._window = self._windows[False]
         if self.all_reduce and dist.get_rank() != 0:
             return  # the metrics are reduced over ranks already: rank 0 logs them once
         parts = [

@@ -16,6 +16,7 @@ from ..console import route_logging_through_bar
 from ..events import AfterStep, BeforeStep, End
 from ..hook import Hook
 from ..reads import ReadQueue
+from ..subscription import Filters, is_train
 from ..window import read_values
 
 if TYPE_CHECKING:
@@ -100,13 +101,16 @@ class ProgressBarHook(Hook):
         # redraws; numbers are formatted, tensors read, only then)
         self._unshown: Mapping[str, Any] | None = None
         self._next_read = 0.0  # monotonic time of the next read of tensor values
+        self._ticks = 0  # steps done that the bar has not been told of yet
         self._reads = ReadQueue("ProgressBarHook.read", capacity=1, on_error=self.on_error)
+        # the bar opens at the first training step; after that, BeforeStep costs nothing
+        self.subscription_filters = {"before_step": Filters(once=1, when=is_train)}
 
     def attach(self, bus: HookBus) -> None:
         self._reads.start(bus)
 
     def before_step(self, event: BeforeStep) -> None:
-        if event.is_train and self._bar is None:
+        if self._bar is None:
             self._bar = self._tqdm(
                 total=self.total,
                 initial=event.global_step,
@@ -120,16 +124,21 @@ class ProgressBarHook(Hook):
             self._unroute = route_logging_through_bar(self._tqdm, self.file)
 
     def after_step(self, event: AfterStep) -> Awaitable[None] | None:
-        """Sync; a coroutine (the read handed to the worker) at a redraw with tensors."""
+        """Sync; a coroutine (the read handed to the worker) at a redraw with tensors.
+
+        The bar is told of the steps only when a redraw is near (tqdm's ``update`` costs the
+        step more than the count does); until then they are counted here."""
         bar = self._bar
         if not event.is_train or bar is None:
             return None
-        read = None
         if event.metrics:
             self._unshown = event.metrics  # a dict of this step's own: nobody changes it
-            if _redraw_near(bar):
-                read = self._to_postfix(bar)
-        bar.update(1)
+        self._ticks = ticks = self._ticks + 1
+        if not _redraw_near(bar, ticks):
+            return None
+        read = self._to_postfix(bar) if event.metrics else None
+        self._ticks = 0
+        bar.update(ticks)
         return read
 
     def _to_postfix(self, bar: Any) -> Awaitable[None] | None:
@@ -171,6 +180,9 @@ class ProgressBarHook(Hook):
         """Sync (so it still runs when an ``End`` subscriber before it overran the close
         deadline); a coroutine only while tensor values wait to be read for the last postfix."""
         bar = self._bar
+        if bar is not None and self._ticks:
+            bar.update(self._ticks)
+            self._ticks = 0
         if bar is not None and self._unshown is not None:
             postfix, tensors = self._shown(self._unshown)
             if not tensors:  # numbers only: shown by the close's last redraw
@@ -205,16 +217,16 @@ class ProgressBarHook(Hook):
         return f"<ProgressBarHook total={self.total}>"
 
 
-def _redraw_near(bar: Any) -> bool:
-    """Whether ``bar.update(1)`` is about to redraw, by tqdm's own two tests: enough steps
+def _redraw_near(bar: Any, steps: int) -> bool:
+    """Whether ``bar.update(steps)`` is about to redraw, by tqdm's own two tests: enough steps
     since the last redraw (``miniters``, which tqdm tunes to the steps of about one
     ``mininterval``), then enough time (``mininterval`` on tqdm's clock, ``delay`` after the
     start).  The time test is passed :data:`_REDRAW_LEAD` of ``mininterval`` early, so that
     tqdm, asking its clock a moment later, does not redraw without the postfix just set; when
     it has not redrawn yet, the next steps set it again.  A bar without these attributes (a
-    disabled one, another tqdm): the postfix is set every step."""
+    disabled one, another tqdm): true, every step."""
     try:
-        if bar.n + 1 - bar.last_print_n < bar.miniters:
+        if bar.n + steps - bar.last_print_n < bar.miniters:
             return False
         lead = _REDRAW_LEAD * bar.mininterval
         now = bar._time() + lead

@@ -135,6 +135,27 @@ async def test_number_postfix_is_formatted_only_when_the_bar_redraws() -> None:
     assert "200/200" in frames[-1] and "loss=0.699" in frames[-1], frames[-1]
 
 
+async def test_steps_reach_the_bar_at_its_redraws_and_every_one_by_the_end() -> None:
+    out = io.StringIO()
+    bar = ProgressBarHook(total=300, file=out, mininterval=3600.0)  # no redraw in the loop
+    updates: list[int] = []
+
+    class Counted(bar._tqdm):  # type: ignore[misc, name-defined]
+        def update(self, n: float | None = 1) -> bool | None:
+            updates.append(int(n or 0))
+            return super().update(n)
+
+    bar._tqdm = Counted
+    async with HookBus() as bus:
+        bus.add_hook(bar)
+        await loop(bus, [0.5] * 300)
+        # tqdm's update() is called near its redraws only, not once a step
+        assert len(updates) <= 3, updates
+    assert sum(updates) == 300  # the close tells the bar of the steps since
+    frames = [f for f in out.getvalue().replace("\n", "\r").split("\r") if f.strip()]
+    assert "300/300" in frames[-1] and "100%" in frames[-1], frames[-1]
+
+
 async def test_each_redraw_shows_the_numbers_of_its_own_step() -> None:
     out = io.StringIO()
     bar = ProgressBarHook(total=20, file=out, mininterval=1e-9)  # a redraw every step

@@ -1,0 +1,169 @@
+"""Instructions per step of bench_peers' job on each path, counted under callgrind.
+
+Times on a shared 2-core machine drift by more than the library's whole cost (bench_peers'
+A/A row); instruction counts do not: the same code runs the same instructions however loaded
+the machine is, so a change of a few thousand instructions a step is seen in one run.  They
+are not time -- on the step, right after the model's compute, Python's code runs out of
+cache, and a thousand instructions there cost about 1.7 µs (bench_peers' CPU figures against
+these counts) -- but fewer of them is what makes the step lighter.
+
+Each config of ``bench_peers.py`` runs in a fresh process under ``valgrind --tool=callgrind``
+with instrumentation off, switched on (``callgrind_control -i on``) at the forward call of
+step 60 and off at step ``60 + --steps``: the count covers exactly those steps, every thread
+(the hooks' workers, the Parquet writer) included.  The model is small (``--hidden 16``), so
+the runs are short.  Time-based work is scaled to valgrind's ~50x slowdown, as at full speed:
+tqdm redraws every 30 steps (never inside the count), the tracker and the bus's yields to
+services do not fire inside it (at full speed a 1 s flush spans ~300 steps).
+
+Printed: instructions per step, and over the plain loop's of the same run.
+
+    python benchmarks/bench_instructions.py [--only trainer,own] [--steps 100]
+    python benchmarks/bench_instructions.py --compare <checkout>   # before/after rows
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import bench_peers  # noqa: E402
+
+WARM = 60
+DEFAULT = ("plain", "trainer", "async-loop", "sync-loop")
+
+
+def _toggle(state: str) -> None:
+    """Switch callgrind's instrumentation of this process on or off (returns once done)."""
+    proc = subprocess.Popen(
+        ["callgrind_control", "-i", state, str(os.getpid())],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    while proc.poll() is None:
+        time.sleep(0.005)
+
+
+class _Marks(list):  # type: ignore[type-arg]
+    """``Clock.times``, switching instrumentation on at step ``WARM`` and off ``steps`` later."""
+
+    def __init__(self, steps: int, toggle: bool) -> None:
+        super().__init__()
+        self.steps, self.toggle = steps, toggle
+
+    def append(self, value: Any) -> None:
+        n = len(self)
+        if self.toggle and n in (WARM, WARM + self.steps):
+            _toggle("on" if n == WARM else "off")
+        super().append(value)
+
+
+def _as_at_full_speed() -> None:
+    """Time-based work at its full-speed cadence, not valgrind's (see the module)."""
+    import tqdm
+
+    from recis_async import bus
+    from recis_async.trackers import service
+
+    init = tqdm.tqdm.__init__
+
+    def bar(self: Any, *a: Any, **k: Any) -> None:
+        init(self, *a, **{**k, "mininterval": 1e6, "miniters": 30})
+
+    tqdm.tqdm.__init__ = bar  # type: ignore[method-assign]
+    tracker_init = service.TrackerService.__init__
+
+    def tracker(self: Any, *a: Any, **k: Any) -> None:
+        tracker_init(self, *a, **k)
+        self.flush_interval = 1e9
+
+    service.TrackerService.__init__ = tracker  # type: ignore[method-assign]
+    bus._YIELD_EVERY_S = 1e9  # type: ignore[misc]
+
+
+def child(config: str, steps: int, hidden: int, toggle: bool) -> None:
+    import logging
+
+    torch, mlp, batches = bench_peers.build(hidden, WARM + steps + 5)
+    framework = config.split("+")[0]
+    _as_at_full_speed()
+    clock = bench_peers.Clock()
+    clock.times = _Marks(steps, toggle)
+    bench_peers.time_the_model(torch, mlp, clock)
+    runner = getattr(bench_peers, f"run_{framework.replace('-', '_')}")
+    with tempfile.TemporaryDirectory() as out:
+        runner(
+            torch, mlp, batches, clock, Path(out), logging.getLogger("bench"),
+            config.endswith("+adapter"),
+        )  # fmt: skip
+
+
+def count(config: str, steps: int, hidden: int, code: Path) -> float:
+    """Instructions per step of ``config`` with the recis_async of ``code``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "callgrind.out"
+        env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(
+            ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+             f"--callgrind-out-file={out}", sys.executable, __file__, "--child", config,
+             "--steps", str(steps), "--hidden", str(hidden), "--toggle"],
+            env=env, capture_output=True, text=True, cwd=code,
+        )  # fmt: skip
+        if proc.returncode != 0:
+            raise SystemExit(f"{config}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
+        totals = [line for line in out.read_text().splitlines() if line.startswith("totals:")]
+        if not totals:  # (the "summary:" line above it counts from the start: 0 here)
+            raise SystemExit(f"{config}: callgrind wrote no totals")
+        return int(totals[-1].split()[1]) / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--only", help="comma-separated configs ('own': both own loops)")
+    parser.add_argument("--steps", type=int, default=100, help="steps counted a run")
+    parser.add_argument("--hidden", type=int, default=16, help="the MLP's hidden width")
+    parser.add_argument("--compare", metavar="DIR", help="also count the checkout DIR's code")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--toggle", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.steps, args.hidden, args.toggle)
+        return
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        raise SystemExit("bench_instructions needs valgrind (apt install valgrind)")
+    names = args.only.split(",") if args.only else list(DEFAULT)
+    configs = [c for n in names for c in bench_peers.ALIASES.get(n, [n])]
+    configs = ["plain"] + [c for c in dict.fromkeys(configs) if c != "plain"]
+    unknown = [c for c in configs if c not in bench_peers.CONFIGS]
+    if unknown:
+        parser.error(f"unknown configs {unknown}; known: {', '.join(bench_peers.CONFIGS)}")
+    codes = [("", HERE.parent)]
+    if args.compare:
+        codes.append((f"@{Path(args.compare).resolve().name}", Path(args.compare).resolve()))
+    rows = []
+    for config in configs:
+        for suffix, code in codes if config != "plain" else codes[:1]:
+            per_step = count(config, args.steps, args.hidden, code)
+            rows.append((config + suffix, per_step))
+            print(f"{config + suffix:24s} {per_step / 1e3:9.1f}k", file=sys.stderr, flush=True)
+    plain = rows[0][1]
+    print(f"instructions per step (callgrind, {args.steps} steps, --hidden {args.hidden})\n")
+    print("| path | k instructions / step | over plain |")
+    print("|---|---|---|")
+    for label, per_step in rows:
+        print(f"| {label} | {per_step / 1e3:.1f} | {(per_step - plain) / 1e3:+.1f} |")
+
+
+if __name__ == "__main__":
+    main()
