@@ -23,6 +23,9 @@ def batch_size(batch: Any) -> int:
     """Rows in a batch: the first dimension of its first tensor/array (dicts, lists, tuples)."""
     if type(batch) is dict:  # the common batch, first: a plain dict has no ``shape``
         for value in batch.values():
+            if type(value) is torch.Tensor:  # its first tensor, without another call
+                shape = value.shape
+                return shape[0] if shape else 1
             return batch_size(value)
         return 0
     if isinstance(batch, torch.Tensor) or hasattr(batch, "shape"):

@@ -299,7 +299,23 @@ def add_to_trace(name: str, value: Any) -> None:
             f"values and call add_to_trace once"
         )
     # the hot path is kept short on purpose (it runs every step, right after the model's
-    # compute, when Python's code is out of cache)
+    # compute, when Python's code is out of cache): a plain dense CPU tensor without grad
+    # is copied through its numpy view at once; ``numpy()`` refuses every other kind (grad,
+    # conjugate or negative bit, sparse, nested, no numpy dtype), which then takes the
+    # checked way below and its messages
+    if type(value) is torch.Tensor and value.is_cpu and READ_CPU_AT_CALL:
+        try:
+            array = value.numpy().copy()
+        except (RuntimeError, TypeError):
+            pass
+        else:
+            if array.ndim == 0:
+                raise ValueError(
+                    f"add_to_trace({name!r}): expected one entry per row (1-D or 2-D), got a scalar"
+                )
+            array.setflags(write=False)  # ours alone: hooks may keep it without another copy
+            collector.trace[name] = array
+            return
     if isinstance(value, torch.Tensor):
         _check_tensor("add_to_trace", name, value)
         if value.dim() == 0:
@@ -325,7 +341,7 @@ def add_to_trace(name: str, value: Any) -> None:
         raise ValueError(
             f"add_to_trace({name!r}): expected one entry per row (1-D or 2-D), got a scalar"
         )
-    array.flags.writeable = False  # ours alone: hooks may keep it without another copy
+    array.setflags(write=False)  # ours alone: hooks may keep it without another copy
     collector.trace[name] = array
 
 

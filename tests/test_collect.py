@@ -142,6 +142,28 @@ async def test_trace_values_are_private_read_only_copies_and_ragged_lists_work()
     assert [row.tolist() for row in seen[0].trace["tags"]] == [[1, 2], [3], []]
 
 
+async def test_a_plain_cpu_tensor_is_traced_as_a_private_read_only_copy() -> None:
+    """The fast way (a dense CPU tensor without grad, read through its numpy view): a copy
+    the caller's later in-place changes do not reach, strided views laid out, a grad tensor
+    and a 0-d one taking the checked way as before."""
+    seen: list[AfterStep] = []
+    ids = torch.arange(6)
+    async with HookBus() as bus:
+        bus.subscribe(AfterStep, seen.append)
+        add_to_trace("ids", ids)
+        add_to_trace("every_other", torch.arange(10)[::2])
+        add_to_trace("grad", torch.ones(2, requires_grad=True))
+        ids.add_(100)  # after the call: not in the trace
+        with pytest.raises(ValueError, match=r"add_to_trace\('x'\): expected one entry per row"):
+            add_to_trace("x", torch.tensor(3))
+        await bus.publish(AfterStep())
+    trace = seen[0].trace
+    assert trace["ids"].tolist() == list(range(6)) and not trace["ids"].flags.writeable
+    assert trace["every_other"].tolist() == [0, 2, 4, 6, 8]
+    assert trace["every_other"].flags.c_contiguous
+    assert trace["grad"].tolist() == [1.0, 1.0] and "x" not in trace
+
+
 async def test_trace_tensors_of_every_kind_are_copied_as_their_values() -> None:
     seen: list[AfterStep] = []
     weights = torch.nn.Parameter(torch.tensor([1.0, 2.0]))  # requires grad

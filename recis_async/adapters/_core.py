@@ -7,6 +7,10 @@ synchronous bus: each ``publish`` returns when the event's subscribers ran, and
 between two callbacks.  :class:`Driver` keeps where the run is (is a step open, was
 ``AfterTrain`` published for this epoch) so that each adapter is only the mapping from its
 framework's callback points to the driver's methods.
+
+``AfterData``, ``AfterBackward`` and the optimizer-step pair, which the bus itself does not act
+on, are built and published only when something subscribes to them (as the ``Trainer``
+publishes them): a hook that subscribes receives them in the reference order.
 """
 
 from __future__ import annotations
@@ -39,31 +43,19 @@ from ..events import (
 from ..hook import Hook
 from ..syncbus import SyncHookBus
 
-__all__ = ["Adapter", "Driver", "StepPlace", "plain_metrics"]
+__all__ = ["Adapter", "Driver", "plain_metrics"]
 
 logger = logging.getLogger("recis_async.adapters")
 
 
-class StepPlace:
-    """Where an open step is (its ``BeforeStep`` was published, its end not yet)."""
-
-    __slots__ = ("epoch", "global_step", "is_train", "local_step", "optimized")
-
-    def __init__(self, is_train: bool, global_step: int, local_step: int, epoch: int) -> None:
-        self.is_train = is_train
-        self.global_step = global_step
-        self.local_step = local_step
-        self.epoch = epoch
-        self.optimized = False  # a BeforeOptimizerStep was published in this step
-
-    def at(self) -> dict[str, Any]:
-        """The step's place, as every step event takes it (``AfterData(**step.at())``)."""
-        return {
-            "is_train": self.is_train,
-            "global_step": self.global_step,
-            "local_step": self.local_step,
-            "epoch": self.epoch,
-        }
+def _place(step: BeforeStep) -> dict[str, Any]:
+    """The open step's place, as every step event takes it (``AfterBackward(**_place(step))``)."""
+    return {
+        "is_train": step.is_train,
+        "global_step": step.global_step,
+        "local_step": step.local_step,
+        "epoch": step.epoch,
+    }
 
 
 class Driver:
@@ -100,7 +92,10 @@ class Driver:
         self.bus: SyncHookBus | None = bus
         self._owned = False  # the bus was opened here and is closed here
         self._entered = False  # the user entered the adapter with ``with``
-        self.step: StepPlace | None = None
+        # the open step (its BeforeStep was published, its end not yet): that event, which
+        # holds its place; and whether a BeforeOptimizerStep was reached in it
+        self.step: BeforeStep | None = None
+        self._optimized = False
         self._trained_epoch: int | None = None  # AfterTrain was published for this epoch
 
     # ------------------------------------------------------------------ the bus
@@ -190,36 +185,53 @@ class Driver:
             return
         if self.step is not None:  # the framework skipped the end of the last one
             self.out_of_data()
-        self.step = StepPlace(is_train, global_step, local_step, epoch)
-        bus.publish(
-            BeforeStep(
-                is_train=is_train, global_step=global_step, local_step=local_step, epoch=epoch
-            )
+        self.step = step = BeforeStep(
+            is_train=is_train, global_step=global_step, local_step=local_step, epoch=epoch
         )
+        self._optimized = False
+        bus.publish(step)
         if data:
             self.after_data()
 
+    # The step events the bus does not act on (AfterData, AfterBackward, the optimizer-step
+    # pair) are built and published only when something subscribes to them, as the Trainer
+    # does: frameworks call back for them on every step, and a publish nobody receives costs
+    # the step the bus's whole publish all the same (~12k instructions each).  The bus is
+    # asked at each callback, so a hook added during the run receives them from then on.
     def after_data(self) -> None:
-        step = self.step
-        if step is not None and self.bus is not None:
-            self.bus.publish(AfterData(**step.at()))
+        step, bus = self.step, self.bus
+        if step is not None and bus is not None and bus.has_subscribers(AfterData):
+            bus.publish(
+                AfterData(
+                    is_train=step.is_train,
+                    global_step=step.global_step,
+                    local_step=step.local_step,
+                    epoch=step.epoch,
+                )
+            )
 
     def after_backward(self, sync: bool) -> None:
-        step = self.step
-        if step is not None and self.bus is not None:
-            self.bus.publish(AfterBackward(**step.at(), sync=sync))
+        step, bus = self.step, self.bus
+        if step is not None and bus is not None and bus.has_subscribers(AfterBackward):
+            bus.publish(AfterBackward(**_place(step), sync=sync))
 
     def before_optimizer_step(self, optimizers: tuple[Any, ...], scaler: Any = None) -> None:
-        step = self.step
-        if step is not None and self.bus is not None:
-            step.optimized = True
-            self.bus.publish(BeforeOptimizerStep(**step.at(), optimizers=optimizers, scaler=scaler))
+        step, bus = self.step, self.bus
+        if step is not None and bus is not None:
+            self._optimized = True  # AfterOptimizerStep follows, whoever receives this one
+            if bus.has_subscribers(BeforeOptimizerStep):
+                bus.publish(
+                    BeforeOptimizerStep(**_place(step), optimizers=optimizers, scaler=scaler)
+                )
 
     def after_optimizer_step(self, optimizers: tuple[Any, ...], scaler: Any = None) -> None:
-        step = self.step
-        if step is not None and self.bus is not None and step.optimized:
-            step.optimized = False
-            self.bus.publish(AfterOptimizerStep(**step.at(), optimizers=optimizers, scaler=scaler))
+        step, bus = self.step, self.bus
+        if step is not None and bus is not None and self._optimized:
+            self._optimized = False
+            if bus.has_subscribers(AfterOptimizerStep):
+                bus.publish(
+                    AfterOptimizerStep(**_place(step), optimizers=optimizers, scaler=scaler)
+                )
 
     def end_step(
         self,
@@ -236,19 +248,29 @@ class Driver:
         if step is None or bus is None:
             return self.should_stop
         self.step = None
-        if step.optimized:  # frameworks without a callback after the optimizer step
-            step.optimized = False
-            bus.publish(AfterOptimizerStep(**step.at(), optimizers=optimizers))
+        if self._optimized:  # frameworks without a callback after the optimizer step
+            self._optimized = False
+            if bus.has_subscribers(AfterOptimizerStep):
+                bus.publish(AfterOptimizerStep(**_place(step), optimizers=optimizers))
         if loss is not None:
             add_metric("loss", loss)
-        extra: dict[str, Any] = {}
         if metrics:
-            for name, value in metrics.items():
-                if name != "loss" and isinstance(name, str) and name:
-                    extra[name] = value
-        if extra:
-            _add_metrics(extra)
-        bus.publish(AfterStep(**step.at(), samples=samples))
+            extra = {
+                name: value
+                for name, value in metrics.items()
+                if name != "loss" and isinstance(name, str) and name
+            }
+            if extra:
+                _add_metrics(extra)
+        bus.publish(
+            AfterStep(
+                is_train=step.is_train,
+                global_step=step.global_step,
+                local_step=step.local_step,
+                epoch=step.epoch,
+                samples=samples,
+            )
+        )
         return bus.should_stop
 
     def out_of_data(self) -> None:
@@ -256,7 +278,7 @@ class Driver:
         step, bus = self.step, self.bus
         self.step = None
         if step is not None and bus is not None:
-            bus.publish(OutOfData(**step.at()))
+            bus.publish(OutOfData(**_place(step)))
 
     # ------------------------------------------------------------------ epochs, evaluation
     def before_epoch(self, epoch: int) -> None:

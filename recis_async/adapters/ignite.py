@@ -149,8 +149,14 @@ class IgniteAdapter(Adapter):
         if self._driver.step is None:  # an engine run without data: no GET_BATCH events
             state = engine.state
             self._driver.begin_step(True, state.iteration - 1, 0, state.epoch - 1, data=False)
-        loss, metrics = _loss_and_metrics(engine.state.output)
-        if self._driver.end_step(batch_size(engine.state.batch), loss, metrics):
+        state = engine.state
+        output = state.output
+        metrics: dict[str, Any] | None = None
+        if type(output) is torch.Tensor:  # the common return, the loss tensor: no metrics
+            loss = output if output.numel() == 1 else None
+        else:
+            loss, metrics = _loss_and_metrics(output)
+        if self._driver.end_step(batch_size(state.batch), loss, metrics):
             engine.terminate()
 
     def _epoch_completed(self, engine: Engine) -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio.to_thread
@@ -220,17 +220,19 @@ class TraceHook(Hook):
                 event.global_step,
             )
 
-    async def after_step(self, event: AfterStep) -> None:
+    def after_step(self, event: AfterStep) -> Awaitable[None] | None:
+        """Check and buffer the step's rows at once; a coroutine only when the buffer is due
+        to be sealed (handing the batch to the writer may wait for room: backpressure)."""
         writer = self._writer
         writer.raise_if_lost()  # before this step's rows are taken: they are not part of it
-        if not event.trace or event.is_train is self._skip:
-            return
+        trace = event.trace
+        if not trace or event.is_train is self._skip:
+            return None
         if self._delivered and self._already_delivered(event.global_step):
-            return
+            return None
         buffer = self._buffer
-        before = buffer.nbytes
-        buffer.append(event.trace, event.global_step)
-        if buffer.nbytes - before > self._threshold and not self._warned_step:
+        buffer.append(trace, event.global_step)
+        if buffer.step_nbytes > self._threshold and not self._warned_step:
             self._warned_step = True
             logger.warning(
                 "%s: step %d traced %s, more than size_threshold=%s: it is written as one "
@@ -238,13 +240,12 @@ class TraceHook(Hook):
                 "step, not by size_threshold (warned once)",
                 type(self).__name__,
                 event.global_step,
-                _size(buffer.nbytes - before),
+                _size(buffer.step_nbytes),
                 _size(self._threshold),
             )
-        if buffer.nbytes >= self._threshold or (
-            self._max_age is not None and buffer.age() >= self._max_age
-        ):
-            await writer.send(buffer.seal())  # a loss seen here is raised by the next step
+        if buffer.due(self._threshold, self._max_age):
+            return writer.send(buffer.seal())  # a loss seen here is raised by the next step
+        return None
 
     def _already_delivered(self, step: int) -> bool:
         """Whether ``step``'s rows were delivered before a restart (ranges in step order)."""

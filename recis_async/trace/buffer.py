@@ -16,7 +16,7 @@ device.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import msgspec
 import numpy as np
@@ -26,6 +26,7 @@ from ..hostcopy import HostCopy
 from .schema import (
     _OFFSET_MAX,
     Chunk,
+    Column,
     OdpsType,
     arrow_schema,
     chunk_rows,
@@ -85,6 +86,24 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True):
         ]
         return pa.Table.from_arrays(arrays, schema=self.schema)
 
+    def arrow_slices(self, rows: int) -> Iterator[pa.Table]:
+        """The rows as Arrow tables of ``rows`` rows each (the last may be shorter), for a
+        writer writing a row group at a time.  The raw chunks of consecutive steps are copied
+        into one array per column and slice (those of one dtype and width): laid out step by
+        step, as :meth:`to_arrow` shares them, a batch costs the writer thread the Arrow
+        arrays and the Parquet column writes of every step, several times the encoding of
+        their rows (benchmarks/README.md, "Trace rows written per row group").  The copy
+        is one slice's size, which the writer's encoding buffers match; converted chunks
+        are shared as in :meth:`to_arrow`.  Host copies are resolved (waiting for the device
+        if needed): a writer calls it in a worker thread."""
+        if rows <= 0:
+            raise ValueError(f"arrow_slices(rows=...): expected a positive int, got {rows!r}")
+        schema = self.schema
+        columns = [_Rows(chunks, t) for chunks, t in zip(self.columns, self.types, strict=True)]
+        for start in range(0, self.rows, rows):
+            n = min(rows, self.rows - start)
+            yield pa.Table.from_arrays([column.take(n) for column in columns], schema=schema)
+
     @classmethod
     def from_arrow(
         cls,
@@ -116,6 +135,66 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True):
         )
 
 
+class _Rows:
+    """One column's chunks read as consecutive row ranges (:meth:`Batch.arrow_slices`)."""
+
+    __slots__ = ("_at", "_chunks", "_current", "_next", "_type")
+
+    def __init__(self, chunks: Sequence[Chunk], type_: OdpsType) -> None:
+        self._chunks = chunks
+        self._type = type_
+        self._next = 0  # the index of the next chunk to read
+        self._current: np.ndarray | pa.Array | None = None  # the chunk being read
+        self._at = 0  # rows of it already taken
+
+    def take(self, n: int) -> pa.Array | pa.ChunkedArray:
+        """The next ``n`` rows as one Arrow array (several, chunked, only where the raw
+        chunks change dtype or width, or a converted chunk comes between them)."""
+        type_ = self._type
+        parts: list[pa.Array] = []
+        raw: list[np.ndarray] = []  # raw pieces of one dtype and width, not yet laid out
+        while n:
+            chunk = self._current
+            if chunk is None:
+                value = self._chunks[self._next]
+                self._next += 1
+                if isinstance(value, HostCopy):
+                    chunk = value.resolve()
+                elif isinstance(value, Column):
+                    chunk = to_arrow(value, type_)
+                else:
+                    chunk = value
+                self._current, self._at = chunk, 0
+            at = self._at
+            end = min(len(chunk), at + n)
+            if isinstance(chunk, pa.Array):
+                if raw:
+                    parts.append(_raw_to_arrow(raw, type_))
+                    raw = []
+                parts.append(chunk.slice(at, end - at))
+            else:
+                piece = chunk[at:end]
+                if raw and (raw[0].dtype != piece.dtype or raw[0].shape[1:] != piece.shape[1:]):
+                    parts.append(_raw_to_arrow(raw, type_))
+                    raw = []
+                raw.append(piece)
+            n -= end - at
+            if end == len(chunk):
+                self._current = None
+            else:
+                self._at = end
+        if raw:
+            parts.append(_raw_to_arrow(raw, type_))
+        if len(parts) == 1:
+            return parts[0]
+        return pa.chunked_array(parts, type=type_.arrow_type)
+
+
+def _raw_to_arrow(pieces: list[np.ndarray], type_: OdpsType) -> pa.Array:
+    """Raw pieces of one dtype and width as one Arrow array (one copy if several)."""
+    return to_arrow(pieces[0] if len(pieces) == 1 else np.concatenate(pieces), type_)
+
+
 class ColumnBuffer:
     """Validated, byte-counted rows waiting to be sealed into a :class:`Batch`.
 
@@ -139,7 +218,11 @@ class ColumnBuffer:
         self._nbytes = 0
         self._steps = 0
         self._first_at: float | None = None
-        self._steps_seen: tuple[int, int] | None = None
+        # the first and last ``global_step`` buffered (the sealed batch's ``steps``)
+        self._first_step: int | None = None
+        self._last_step = 0
+        #: the bytes the last :meth:`append` added (0 if it added nothing)
+        self.step_nbytes = 0
         self.run: str | None = None  # the traced run's id, stamped on every batch sealed
         self._next_seq = 0
         # per field: (name, the numpy dtype it is stored as or None, the ndim of a raw chunk)
@@ -183,6 +266,10 @@ class ColumnBuffer:
         fast = self._fast(trace)
         if fast is not None:
             return fast
+        return self._converted(trace)
+
+    def _converted(self, trace: Mapping[str, object]) -> tuple[tuple[Chunk, ...], int]:
+        """:meth:`validate`'s full way, every field through its conversion."""
         names = set(trace)
         missing = [f for f in self.fields if f not in names]
         extra = sorted(str(n) for n in names if n not in self._index)
@@ -232,7 +319,11 @@ class ColumnBuffer:
                     return None  # too many elements for int32 offsets: convert says so
                 if value.dtype != dtype and (dtype.kind != "f" or value.dtype.kind not in "fiu"):
                     return None  # integer narrowing, bools...: checked by convert
-                chunk: Chunk = freeze(value)
+                flags = value.flags  # freeze(value), inlined: a collector's copy is kept
+                if not flags.writeable and flags.owndata and flags.c_contiguous:
+                    chunk: Chunk = value
+                else:
+                    chunk = freeze(value)
             elif type(value) is HostCopy:
                 if dtype is None or value.ndim != ndim:
                     return None
@@ -255,9 +346,11 @@ class ColumnBuffer:
         """Validate and keep a step's trace; all or nothing.  Returns the rows added.
 
         ``step`` (the step's ``global_step``) is remembered as the sealed batch's ``steps``."""
+        self.step_nbytes = 0
         if not trace:
             return 0
-        chunks, rows = self.validate(trace)
+        checked = self._fast(trace)  # validate's first try, without its call
+        chunks, rows = checked if checked is not None else self._converted(trace)
         if rows == 0:
             return 0
         nbytes = 0  # a host copy counts as its resolved array: exact before and after
@@ -266,13 +359,23 @@ class ColumnBuffer:
             nbytes += chunk.nbytes
         self._rows += rows
         self._nbytes += nbytes
+        self.step_nbytes = nbytes
         self._steps += 1
         if self._first_at is None:
             self._first_at = time.monotonic()
         if step is not None:
-            seen = self._steps_seen
-            self._steps_seen = (step, step) if seen is None else (seen[0], step)
+            if self._first_step is None:
+                self._first_step = step
+            self._last_step = step
         return rows
+
+    def due(self, size_threshold: int, max_age: float | None) -> bool:
+        """Whether the buffer should be sealed now: it holds ``size_threshold`` bytes, or its
+        oldest row is ``max_age`` seconds old (one call a step, for the feeding hook)."""
+        if self._nbytes >= size_threshold:
+            return True
+        first = self._first_at
+        return max_age is not None and first is not None and time.monotonic() - first >= max_age
 
     def seal(self) -> Batch | None:
         """Hand over everything buffered as a :class:`Batch` and start empty (None if empty)."""
@@ -285,11 +388,11 @@ class ColumnBuffer:
             fields=self.fields,
             types=self.types,
             columns=tuple(tuple(chunks) for chunks in self._chunks),
-            steps=self._steps_seen,
+            steps=None if self._first_step is None else (self._first_step, self._last_step),
             run=self.run,
         )
         self._next_seq += 1
-        self._steps_seen = None
+        self._first_step = None
         self._chunks = [[] for _ in self.fields]
         self._rows = self._nbytes = self._steps = 0
         self._first_at = None

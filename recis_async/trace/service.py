@@ -471,6 +471,8 @@ class TraceWriter:
     def raise_if_lost(self) -> None:
         """Raise :class:`TraceRowsLostError` if rows were lost since the last call: the step
         that sees it learns at once, not at close."""
+        if len(self._spills) <= self._lost_reported:  # every step: nothing new can be lost
+            return
         lost = [r for r in self._spills if r.path is None]
         if len(lost) > self._lost_reported:
             fresh = lost[self._lost_reported :]

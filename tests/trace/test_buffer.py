@@ -193,3 +193,51 @@ def test_the_fast_path_copies_arrays_the_caller_can_still_change() -> None:
     table = batch.to_arrow()
     assert table.column("emb").to_pylist() == [[1.0] * 3, [1.0] * 3]
     assert table.column("user_id").to_pylist() == [1, 0]
+
+
+def mixed_batch() -> Batch:
+    """Steps of every chunk kind: raw arrays of the stored dtype, of a wider-cast dtype (int32
+    ids, float32 scores), 2-D arrays of two widths, lists (converted chunks)."""
+    buf = ColumnBuffer(FIELDS, TYPES)
+    buf.append(step(4))
+    buf.append(step(3, start=4))
+    buf.append({**step(5, start=7), "user_id": np.arange(7, 12, dtype=np.int32)})
+    buf.append({**step(2, start=12), "score": np.linspace(0, 1, 2, dtype=np.float32)})
+    buf.append({**step(3, start=14), "emb": np.full((3, 2), 2.5, np.float32)})
+    buf.append({**step(2, start=17), "user_id": [17, 18], "emb": [[1.0], [2.0, 3.0]]})
+    buf.append(step(6, start=19))
+    batch = buf.seal()
+    assert batch is not None and batch.rows == 25
+    return batch
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 25, 100])
+def test_arrow_slices_hold_the_rows_of_to_arrow_in_order(rows: int) -> None:
+    batch = mixed_batch()
+    whole = batch.to_arrow()
+    slices = list(batch.arrow_slices(rows))
+    assert [t.num_rows for t in slices] == [
+        min(rows, batch.rows - start) for start in range(0, batch.rows, rows)
+    ]
+    assert all(t.schema == batch.schema for t in slices)
+    for name in FIELDS:
+        got = [v for t in slices for v in t.column(name).to_pylist()]
+        assert got == whole.column(name).to_pylist(), name
+
+
+def test_arrow_slices_lay_consecutive_raw_steps_out_as_one_array() -> None:
+    """What a Parquet writer is handed: one array per column and row group where the steps
+    are raw arrays of one dtype (no per-step Arrow arrays or column writes)."""
+    buf = ColumnBuffer(["id", "emb"], ["bigint", "array<float>"])
+    for s in range(50):
+        buf.append({"id": np.arange(s * 8, (s + 1) * 8), "emb": np.ones((8, 4), np.float32)})
+    batch = buf.seal()
+    assert batch is not None
+    (table,) = batch.arrow_slices(400)
+    assert [table.column(n).num_chunks for n in ("id", "emb")] == [1, 1]
+    assert table.column("id").to_pylist() == list(range(400))
+    first, second = batch.arrow_slices(300)
+    assert first.column("id").num_chunks == second.column("id").num_chunks == 1
+    assert second.column("id").to_pylist() == list(range(300, 400))
+    with pytest.raises(ValueError, match="positive"):
+        next(batch.arrow_slices(0))

@@ -266,3 +266,37 @@ def test_a_named_codec_is_the_one_written(tmp_path: Path, codec: str | None) -> 
     written = pq.ParquetFile(path).metadata.row_group(0).column(0).compression
     assert written == ("UNCOMPRESSED" if codec in ("none", None) else codec.upper())
     assert pq.read_table(path).column("id").to_pylist() == list(range(5))
+
+
+def test_a_batch_of_many_small_steps_is_read_back_whole_and_in_order(tmp_path: Path) -> None:
+    """Each row group is written as one array per column, not one per step: 2,000 steps of
+    256 ids (the benchmark's trace) in two row groups, every row read back once, in order,
+    with the footer naming the run and its steps."""
+    import numpy as np
+
+    from recis_async.trace.buffer import ColumnBuffer
+
+    buffer = ColumnBuffer(["id", "loss"], ["bigint", "float"])
+    buffer.run = "r1"
+    for s in range(2000):
+        buffer.append(
+            {"id": np.arange(s * 256, (s + 1) * 256), "loss": np.full(256, s, np.float64)}, s
+        )
+    batch = buffer.seal()
+    assert batch is not None
+    sink = opened(
+        ParquetSink(tmp_path, "small", rank=0, row_group_size=300_000),
+        ["id", "loss"],
+        ["bigint", "float"],
+    )
+    sink.write(batch, Attempt())
+    (path,) = (tmp_path / "small").iterdir()
+    meta = pq.ParquetFile(path).metadata
+    assert [meta.row_group(i).num_rows for i in range(meta.num_row_groups)] == [300_000, 212_000]
+    assert meta.metadata[b"recis_async.steps"] == b"0-1999"
+    table = pq.read_table(path)
+    assert table.num_rows == 2000 * 256
+    assert np.array_equal(table.column("id").to_numpy(), np.arange(2000 * 256))
+    assert np.array_equal(
+        table.column("loss").to_numpy(), np.repeat(np.arange(2000), 256).astype(np.float32)
+    )

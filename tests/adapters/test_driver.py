@@ -1,0 +1,126 @@
+"""The adapters' driver on a real SyncHookBus, without a framework: the step events the bus
+does not act on are published to their subscribers in the reference order, and are not built
+at all when nothing subscribes to them (a hook added during the run gets them from then on)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from recis_async.adapters import _core
+from recis_async.adapters._core import Driver
+from recis_async.events import (
+    AfterBackward,
+    AfterData,
+    AfterOptimizerStep,
+    AfterStep,
+    BeforeOptimizerStep,
+    BeforeStep,
+    Event,
+)
+from recis_async.hook import Hook
+from recis_async.syncbus import SyncHookBus
+
+STEP_EVENTS = (BeforeStep, AfterData, AfterBackward, BeforeOptimizerStep, AfterOptimizerStep)
+
+
+class Seen(Hook):
+    """Records the step events it subscribes to, as (name, global_step)."""
+
+    def __init__(self, *kinds: type[Event]) -> None:
+        self.kinds = kinds
+        self.seen: list[tuple[str, int]] = []
+
+    @property
+    def state_key(self) -> str:
+        return f"Seen{id(self)}"
+
+    def attach(self, bus: Any) -> None:
+        for kind in self.kinds:
+            bus.subscribe(kind, self._record)
+
+    def _record(self, event: Any) -> None:
+        self.seen.append((type(event).__name__, event.global_step))
+
+    def after_step(self, event: AfterStep) -> None:
+        self.seen.append(("AfterStep", event.global_step))
+
+
+def one_step(driver: Driver, step: int, *, after_optimizer: bool = True) -> bool:
+    driver.begin_step(True, step, step, 0)
+    driver.after_backward(sync=True)
+    driver.before_optimizer_step(())
+    if after_optimizer:
+        driver.after_optimizer_step(())
+    return driver.end_step(4, 0.5)
+
+
+def test_subscribed_step_events_are_published_in_the_reference_order() -> None:
+    hook = Seen(*STEP_EVENTS)
+    driver = Driver("test", [hook], None, 10.0, False)
+    driver.start()
+    one_step(driver, 0)
+    one_step(driver, 1, after_optimizer=False)  # AfterOptimizerStep comes from end_step
+    driver.close()
+    names = [n.__name__ for n in STEP_EVENTS]
+    assert hook.seen == [(n, 0) for n in [*names, "AfterStep"]] + [
+        (n, 1) for n in [*names, "AfterStep"]
+    ]
+
+
+def test_an_after_optimizer_step_subscriber_alone_still_gets_its_event() -> None:
+    """BeforeOptimizerStep is not published (nobody subscribes), yet the step is known to
+    have optimized: AfterOptimizerStep follows, once, from either callback."""
+    hook = Seen(AfterOptimizerStep)
+    driver = Driver("test", [hook], None, 10.0, False)
+    driver.start()
+    one_step(driver, 0)
+    one_step(driver, 1, after_optimizer=False)
+    driver.close()
+    assert hook.seen == [
+        ("AfterOptimizerStep", 0),
+        ("AfterStep", 0),
+        ("AfterOptimizerStep", 1),
+        ("AfterStep", 1),
+    ]
+
+
+BUILT: list[str] = []
+
+
+def _counted(kind: type[Any]) -> type[Any]:
+    """A subclass of ``kind`` that counts its instances (it reaches ``kind``'s subscribers)."""
+
+    def __post_init__(self: Any) -> None:
+        BUILT.append(kind.__name__)
+        kind.__post_init__(self)
+
+    return type(
+        f"Counted{kind.__name__}",
+        (kind,),
+        {"__post_init__": __post_init__},
+        frozen=True,
+        kw_only=True,
+    )
+
+
+def test_unsubscribed_step_events_are_not_built_until_a_hook_wants_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    BUILT.clear()
+    for kind in (AfterData, AfterBackward, BeforeOptimizerStep, AfterOptimizerStep):
+        monkeypatch.setattr(_core, kind.__name__, _counted(kind))
+    hook = Seen()
+    with SyncHookBus(handle_signals=False) as bus:
+        driver = Driver("test", [hook], bus, 10.0, False)
+        driver.start()
+        for step in range(3):
+            one_step(driver, step)
+        assert BUILT == []
+        late = Seen(AfterData)
+        bus.add_hook(late)
+        one_step(driver, 3)
+        assert BUILT == ["AfterData"]
+        assert late.seen == [("CountedAfterData", 3), ("AfterStep", 3)]
+    assert hook.seen == [("AfterStep", s) for s in range(4)]
