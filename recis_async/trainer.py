@@ -602,7 +602,7 @@ class Trainer:
             if decision.value != CONTINUE:
                 return await self._end_pass(bus, decision.value, batches, local, epoch)
             if self._steps_left():  # the same on every rank: global_step moves in lockstep
-                agreement.start(offer, at.global_step)
+                agreement.start(offer, step)
                 if offer == STOP and (await agreement.peek()).low == STOP:
                     await agreement.result()  # every rank stops here: none needs the lag
                     return False
