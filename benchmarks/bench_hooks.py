@@ -961,10 +961,7 @@ def _instrument(sections: _Sections) -> None:
         )
     except ImportError:
         pass
-    # the Trainer's own work on a step
-    trainer._At.__call__ = sections.sync(  # type: ignore[method-assign]
-        "trainer building events", trainer._At.__call__
-    )
+    # the Trainer's own work on a step (its step events are built inline, in the step loop)
     trainer.Lookahead.take = sections.sync(  # type: ignore[method-assign]
         "trainer next batch (Lookahead.take, to_device)", trainer.Lookahead.take
     )
