@@ -16,7 +16,7 @@ device.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import msgspec
 import numpy as np
@@ -26,7 +26,6 @@ from ..hostcopy import HostCopy
 from .schema import (
     _OFFSET_MAX,
     Chunk,
-    Column,
     OdpsType,
     arrow_schema,
     chunk_rows,
@@ -86,24 +85,6 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True):
         ]
         return pa.Table.from_arrays(arrays, schema=self.schema)
 
-    def arrow_slices(self, rows: int) -> Iterator[pa.Table]:
-        """The rows as Arrow tables of ``rows`` rows each (the last may be shorter), for a
-        writer writing a row group at a time.  The raw chunks of consecutive steps are copied
-        into one array per column and slice (those of one dtype and width): laid out step by
-        step, as :meth:`to_arrow` shares them, a batch costs the writer thread the Arrow
-        arrays and the Parquet column writes of every step, several times the encoding of
-        their rows (benchmarks/README.md, "Trace rows written per row group").  The copy
-        is one slice's size, which the writer's encoding buffers match; converted chunks
-        are shared as in :meth:`to_arrow`.  Host copies are resolved (waiting for the device
-        if needed): a writer calls it in a worker thread."""
-        if rows <= 0:
-            raise ValueError(f"arrow_slices(rows=...): expected a positive int, got {rows!r}")
-        schema = self.schema
-        columns = [_Rows(chunks, t) for chunks, t in zip(self.columns, self.types, strict=True)]
-        for start in range(0, self.rows, rows):
-            n = min(rows, self.rows - start)
-            yield pa.Table.from_arrays([column.take(n) for column in columns], schema=schema)
-
     @classmethod
     def from_arrow(
         cls,
@@ -133,66 +114,6 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True):
             steps=steps,
             run=run,
         )
-
-
-class _Rows:
-    """One column's chunks read as consecutive row ranges (:meth:`Batch.arrow_slices`)."""
-
-    __slots__ = ("_at", "_chunks", "_current", "_next", "_type")
-
-    def __init__(self, chunks: Sequence[Chunk], type_: OdpsType) -> None:
-        self._chunks = chunks
-        self._type = type_
-        self._next = 0  # the index of the next chunk to read
-        self._current: np.ndarray | pa.Array | None = None  # the chunk being read
-        self._at = 0  # rows of it already taken
-
-    def take(self, n: int) -> pa.Array | pa.ChunkedArray:
-        """The next ``n`` rows as one Arrow array (several, chunked, only where the raw
-        chunks change dtype or width, or a converted chunk comes between them)."""
-        type_ = self._type
-        parts: list[pa.Array] = []
-        raw: list[np.ndarray] = []  # raw pieces of one dtype and width, not yet laid out
-        while n:
-            chunk = self._current
-            if chunk is None:
-                value = self._chunks[self._next]
-                self._next += 1
-                if isinstance(value, HostCopy):
-                    chunk = value.resolve()
-                elif isinstance(value, Column):
-                    chunk = to_arrow(value, type_)
-                else:
-                    chunk = value
-                self._current, self._at = chunk, 0
-            at = self._at
-            end = min(len(chunk), at + n)
-            if isinstance(chunk, pa.Array):
-                if raw:
-                    parts.append(_raw_to_arrow(raw, type_))
-                    raw = []
-                parts.append(chunk.slice(at, end - at))
-            else:
-                piece = chunk[at:end]
-                if raw and (raw[0].dtype != piece.dtype or raw[0].shape[1:] != piece.shape[1:]):
-                    parts.append(_raw_to_arrow(raw, type_))
-                    raw = []
-                raw.append(piece)
-            n -= end - at
-            if end == len(chunk):
-                self._current = None
-            else:
-                self._at = end
-        if raw:
-            parts.append(_raw_to_arrow(raw, type_))
-        if len(parts) == 1:
-            return parts[0]
-        return pa.chunked_array(parts, type=type_.arrow_type)
-
-
-def _raw_to_arrow(pieces: list[np.ndarray], type_: OdpsType) -> pa.Array:
-    """Raw pieces of one dtype and width as one Arrow array (one copy if several)."""
-    return to_arrow(pieces[0] if len(pieces) == 1 else np.concatenate(pieces), type_)
 
 
 class ColumnBuffer:

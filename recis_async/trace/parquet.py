@@ -213,14 +213,13 @@ class ParquetSink:
         tmp = directory / f".part-{rank}-{uuid.uuid4().hex}.parquet.tmp"
         try:
             try:
-                schema = batch.schema
+                table = batch.to_arrow()
                 if batch.run is not None and batch.steps is not None:
-                    schema = schema.with_metadata(_steps_metadata(batch.run, batch.steps))
+                    table = table.replace_schema_metadata(_steps_metadata(batch.run, batch.steps))
                 rows = self._row_group_size or _rows_per_group(batch)
-                with pq.ParquetWriter(str(tmp), schema, **self._write_options) as writer:
-                    # a row group at a time, each column one array, not one per step
-                    for table in batch.arrow_slices(rows):
-                        writer.write_table(table, row_group_size=rows)
+                with pq.ParquetWriter(str(tmp), table.schema, **self._write_options) as writer:
+                    for start in range(0, table.num_rows, rows):
+                        writer.write_table(table.slice(start, rows), row_group_size=rows)
                 # Arrow's allocator keeps freed encoding buffers cached; hand them back so
                 # RSS tracks the buffered data
                 pa.default_memory_pool().release_unused()

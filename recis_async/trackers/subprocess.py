@@ -308,8 +308,7 @@ class SubprocessTracker:
         try:
             conn.send_bytes(self._encoder.encode(call))
             answered = conn.poll(self.call_timeout)
-            if answered:
-                reply = self._decoder.decode(conn.recv_bytes())
+            reply = self._decoder.decode(conn.recv_bytes()) if answered else None
         except (EOFError, OSError) as exc:
             proc = self._proc
             self._stop()
@@ -317,7 +316,7 @@ class SubprocessTracker:
             raise RuntimeError(
                 f"{self!r}: the tracker process is gone during {call.op} (exit code {code})"
             ) from exc
-        if not answered:  # the child hangs: kill it now rather than wait for it to exit
+        if reply is None:  # the child hangs: kill it now rather than wait for it to exit
             self._stop(kill=True)
             raise TimeoutError(f"{self!r}: {call.op} got no answer in {self.call_timeout}s")
         if not reply.ok:

@@ -269,9 +269,8 @@ def test_a_named_codec_is_the_one_written(tmp_path: Path, codec: str | None) -> 
 
 
 def test_a_batch_of_many_small_steps_is_read_back_whole_and_in_order(tmp_path: Path) -> None:
-    """Each row group is written as one array per column, not one per step: 2,000 steps of
-    256 ids (the benchmark's trace) in two row groups, every row read back once, in order,
-    with the footer naming the run and its steps."""
+    """2,000 steps of 256 ids (the benchmark's trace) in one batch: two row groups, every
+    row read back once, in order, with the footer naming the run and its steps."""
     import numpy as np
 
     from recis_async.trace.buffer import ColumnBuffer
