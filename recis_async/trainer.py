@@ -30,12 +30,20 @@ twice.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import numbers
 import os
 import time
-from collections.abc import AsyncIterator, Collection, Iterable, Iterator, Mapping, Sequence, Sized
+from collections.abc import (
+    AsyncIterator,
+    Callable,
+    Collection,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+    Sized,
+)
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 import anyio
@@ -46,7 +54,7 @@ from . import dist
 from ._checks import boolean, nonempty_str, positive_int, positive_number
 from .aggregate import MetricAggregator
 from .agreement import CONTINUE, END_PASS, STOP, Agreement
-from .batches import Lookahead, batch_size, model_device, resolve_device, to_device
+from .batches import Lookahead, batch_size, model_device, mover, resolve_device
 from .bus import HookBus
 from .checkpoint import list_checkpoints, restore_checkpoint
 from .checkpoint.position import DataPosition, Restored
@@ -449,9 +457,9 @@ class Trainer:
         """Where batches go: the ``device`` given, else the model's (see the class docstring)."""
         return self._device if self._device is not None else model_device(self.model)
 
-    def _mover(self) -> functools.partial[Any]:
+    def _mover(self) -> Callable[[Any], Any]:
         """Moves one batch to :attr:`device` (read now, once per loop)."""
-        return functools.partial(to_device, device=self.device, keep_on_host=self.keep_on_host)
+        return mover(self.device, self.keep_on_host)
 
     async def _train_loop(self, bus: HookBus, *, evaluate: bool) -> None:
         if not (dist.is_initialized() and dist.get_world_size() > 1):
