@@ -67,8 +67,15 @@ def mover(device: torch.device, keep_on_host: Collection[str] = ()) -> Callable[
     """:func:`to_device` for ``device`` as a one-argument function, for a loop that moves
     every batch: what depends only on the device is worked out once, here."""
     to_cpu = device.type == "cpu"
+    plain = to_cpu and not keep_on_host
 
     def move(batch: Any) -> Any:
+        if plain and type(batch) is dict:  # the common batch on the CPU, decided here
+            for value in batch.values():
+                if type(value) is not torch.Tensor or not value.is_cpu:
+                    break
+            else:
+                return batch  # host tensors only: nothing moves
         return _to(batch, device, to_cpu, keep_on_host)
 
     return move
