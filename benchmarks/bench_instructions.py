@@ -121,7 +121,7 @@ def count(config: str, steps: int, hidden: int, code: Path) -> float:
     """Instructions per step of ``config`` with the recis_async of ``code``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "callgrind.out"
-        env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
         proc = subprocess.run(
             ["valgrind", "--tool=callgrind", "--instr-atstart=no",
              f"--callgrind-out-file={out}", sys.executable, __file__, "--child", config,

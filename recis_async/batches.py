@@ -11,12 +11,12 @@ the CPU nothing is copied: the same call returns the batch as it is.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["Lookahead", "batch_size", "model_device", "resolve_device", "to_device"]
+__all__ = ["Lookahead", "batch_size", "model_device", "mover", "resolve_device", "to_device"]
 
 
 def batch_size(batch: Any) -> int:
@@ -63,18 +63,37 @@ def to_device(batch: Any, device: torch.device, keep_on_host: Collection[str] = 
     return _to(batch, device, device.type == "cpu", keep_on_host)
 
 
+def mover(device: torch.device, keep_on_host: Collection[str] = ()) -> Callable[[Any], Any]:
+    """:func:`to_device` for ``device`` as a one-argument function, for a loop that moves
+    every batch: what depends only on the device is worked out once, here."""
+    to_cpu = device.type == "cpu"
+    plain = to_cpu and not keep_on_host
+
+    def move(batch: Any) -> Any:
+        if plain and type(batch) is dict:  # the common batch on the CPU, decided here
+            for value in batch.values():
+                if type(value) is not torch.Tensor or not value.is_cpu:
+                    break
+            else:
+                return batch  # host tensors only: nothing moves
+        return _to(batch, device, to_cpu, keep_on_host)
+
+    return move
+
+
 def _to(batch: Any, device: torch.device, to_cpu: bool, keep: Collection[str]) -> Any:
-    """:func:`to_device`, with whether ``device`` is the CPU worked out once per batch (a
+    """:func:`to_device`, with whether ``device`` is the CPU worked out once (a
     ``device.type`` read costs more than the check it feeds)."""
     if type(batch) is dict or isinstance(batch, dict):
         out = None  # a copy only when something moves (on the CPU, nothing does)
         for k, v in batch.items():
-            if k not in keep:
-                moved = _to(v, device, to_cpu, keep)
-                if moved is not v:
-                    if out is None:
-                        out = batch.copy()  # the same kind of dict (OrderedDict, defaultdict...)
-                    out[k] = moved
+            if to_cpu and type(v) is torch.Tensor and v.is_cpu or k in keep:
+                continue  # the common case on the CPU decided here, without a call
+            moved = _to(v, device, to_cpu, keep)
+            if moved is not v:
+                if out is None:
+                    out = batch.copy()  # the same kind of dict (OrderedDict, defaultdict...)
+                out[k] = moved
         return batch if out is None else out
     if isinstance(batch, torch.Tensor):
         if to_cpu:
@@ -128,6 +147,13 @@ class Lookahead:
 
     def take(self) -> Any:
         """The next batch; ``StopIteration`` when the data ended."""
-        if not self.has(1):
+        if self._ready:
+            return self._ready.pop(0)
+        if self._ended:
             raise StopIteration
-        return self._ready.pop(0)
+        try:  # nothing read ahead (a rank alone): read it here, in one call
+            batch = next(self._it)
+        except StopIteration:
+            self._ended = True
+            raise
+        return batch if self._prepare is None else self._prepare(batch)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import anyio
 from anyio.lowlevel import checkpoint
 
-__all__ = ["Service", "first_of", "unreported_close_error", "yield_to_services"]
+__all__ = ["CloseOnce", "Service", "first_of", "unreported_close_error", "yield_to_services"]
 
 #: Loop passes a woken service needs to reach its worker thread: its wake-up, then anyio's
 #: two checkpoints in ``to_thread.run_sync``.
@@ -78,6 +78,40 @@ async def first_of(*events: anyio.Event | None) -> None:
 
         for event in waiting:
             tg.start_soon(wait, event)
+
+
+class CloseOnce:
+    """A service's close run once, its failure reported once, however often ``aclose`` is
+    called (the contract of :class:`Service`): the first call runs the close; a later one,
+    or one made while the first runs, waits for it until its own deadline.  Every call then
+    raises what ``take_error`` says no earlier call (nor the bus) reported yet."""
+
+    __slots__ = ("_done", "started")
+
+    def __init__(self) -> None:
+        self.started = False  # whether a close began (what the run spilled is the close's)
+        self._done: anyio.Event | None = None  # made in the loop that closes
+
+    async def __call__(
+        self,
+        close: Callable[[float], Awaitable[None]],
+        deadline: float,
+        take_error: Callable[[], Exception | None],
+    ) -> None:
+        if self._done is None:
+            self._done = anyio.Event()
+        if self.started:
+            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+                await self._done.wait()
+        else:
+            self.started = True
+            try:
+                await close(deadline)
+            finally:
+                self._done.set()
+        error = take_error()
+        if error is not None:
+            raise error
 
 
 def unreported_close_error(service: Service) -> Exception | None:

@@ -30,12 +30,20 @@ twice.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import numbers
 import os
 import time
-from collections.abc import AsyncIterator, Collection, Iterable, Iterator, Mapping, Sequence, Sized
+from collections.abc import (
+    AsyncIterator,
+    Callable,
+    Collection,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+    Sized,
+)
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 import anyio
@@ -46,7 +54,7 @@ from . import dist
 from ._checks import boolean, nonempty_str, positive_int, positive_number
 from .aggregate import MetricAggregator
 from .agreement import CONTINUE, END_PASS, STOP, Agreement
-from .batches import Lookahead, batch_size, model_device, resolve_device, to_device
+from .batches import Lookahead, batch_size, model_device, mover, resolve_device
 from .bus import HookBus
 from .checkpoint import list_checkpoints, restore_checkpoint
 from .checkpoint.position import DataPosition, Restored
@@ -449,9 +457,9 @@ class Trainer:
         """Where batches go: the ``device`` given, else the model's (see the class docstring)."""
         return self._device if self._device is not None else model_device(self.model)
 
-    def _mover(self) -> functools.partial[Any]:
+    def _mover(self) -> Callable[[Any], Any]:
         """Moves one batch to :attr:`device` (read now, once per loop)."""
-        return functools.partial(to_device, device=self.device, keep_on_host=self.keep_on_host)
+        return mover(self.device, self.keep_on_host)
 
     async def _train_loop(self, bus: HookBus, *, evaluate: bool) -> None:
         if not (dist.is_initialized() and dist.get_world_size() > 1):
@@ -561,7 +569,7 @@ class Trainer:
                 self.data_position.batches += 1
                 if has(AfterData):  # (an event nobody receives is not built)
                     await bus.publish(_At(True, step, local, epoch)(AfterData))
-                loss = _trainable(_loss_of(self.model(batch)))
+                loss = _training_loss(self.model(batch))
                 (loss / accumulate if accumulate > 1 else loss).backward()
                 if (step + 1) % accumulate == 0:
                     if has(AfterBackward) or has(BeforeOptimizerStep) or has(AfterOptimizerStep):
@@ -854,6 +862,16 @@ def _check_loss(loss: Any, where: str) -> torch.Tensor:
         )
         raise TypeError(f"{where}: expected {expected}, got {what}")
     return loss
+
+
+def _training_loss(output: Any) -> torch.Tensor:
+    """The loss of a training step in ``model(batch)``'s output (:func:`_loss_of`, then
+    :func:`_trainable`), with the common outputs -- the loss tensor, a dict of the loss
+    alone -- checked here, without those calls."""
+    loss = output.get("loss") if type(output) is dict and len(output) == 1 else output
+    if type(loss) is torch.Tensor and loss.requires_grad and loss.numel() == 1:
+        return loss
+    return _trainable(_loss_of(output))
 
 
 def _trainable(loss: torch.Tensor) -> torch.Tensor:

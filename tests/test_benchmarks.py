@@ -150,3 +150,24 @@ def test_bench_instructions_counts_each_path_under_callgrind() -> None:
             or line[:3] == "| a"]  # fmt: skip
     assert [r[0].strip() for r in rows] == ["path", "plain", "async-loop"], proc.stdout
     assert rows[1][2].strip() == "+0.0" and float(rows[2][1]) > 100, proc.stdout
+
+
+def test_bench_import_times_each_path_and_names_what_it_pulled_in() -> None:
+    """``bench_import.py``: a row per path; an own loop's imports bring no pyarrow, tracing's
+    do; with ``--compare`` the paired differences are printed."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/bench_import.py", "--reps", "1", "--only", "own,trace",
+         "--compare", str(ROOT)],
+        env=env, capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+        for line in proc.stdout.splitlines()
+        if line.startswith("| ") and not line.startswith("| path")
+    }
+    assert sorted(rows) == ["own", "own@compare", "trace", "trace@compare"], proc.stdout
+    assert "pyarrow" not in rows["own"][1] and "pyarrow" in rows["trace"][1], proc.stdout
+    assert float(rows["own"][0].split()[0]) > 0, proc.stdout
+    assert "own: " in proc.stdout and "ms against" in proc.stdout, proc.stdout

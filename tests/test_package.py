@@ -61,6 +61,58 @@ def test_every_exported_name_resolves_and_is_listed() -> None:
     assert result.returncode == 0, result.stderr
 
 
+def test_a_job_that_does_not_trace_imports_nothing_tracing_needs() -> None:
+    """The hooks are imported one module at a time: a job that logs, tracks and checkpoints
+    never imports pyarrow or the trace writer (~0.2 s of its start); ``TraceHook`` does."""
+    result = run_fresh(
+        """
+        import sys, tempfile
+        import anyio
+        import torch
+        from recis_async import (
+            CheckpointSaverHook, HookBus, LoggerHook, MLTrackerHook, ProgressBarHook, Trainer,
+            add_metric, add_to_ml_tracker,
+        )
+        from recis_async.events import AfterStep, BeforeStep
+        from recis_async.hooks import NanTensorHook, StopAtStepHook
+        from recis_async.trackers import JsonlTracker
+
+        async def main(out):
+            async with HookBus(handle_signals=False) as bus:
+                bus.add_hook(LoggerHook(log_step=2))
+                bus.add_hook(ProgressBarHook(total=4))
+                bus.add_hook(MLTrackerHook("e", "r", tracker=JsonlTracker(out)))
+                model = torch.nn.Linear(2, 1)
+                bus.add_hook(CheckpointSaverHook(out + "/ckpt", save_steps=2, model=model))
+                bus.add_hook(NanTensorHook())
+                bus.add_hook(StopAtStepHook(last_step=4))
+                for step in range(4):
+                    await bus.publish(BeforeStep(global_step=step))
+                    add_metric("loss", 0.5)
+                    add_to_ml_tracker("loss", 0.5)
+                    await bus.publish(AfterStep(global_step=step, samples=8))
+
+        with tempfile.TemporaryDirectory() as out:
+            anyio.run(main, out)
+        heavy = {"pyarrow", "recis_async.trace", "recis_async.hooks.trace"} & set(sys.modules)
+        assert not heavy, heavy
+        import recis_async.hooks as hooks
+        assert "nan" in dir(hooks) and "trace" not in dir(hooks)
+        assert not {"importlib", "TYPE_CHECKING", "Any", "annotations"} & set(dir(hooks))
+        from recis_async.hooks import TraceHook
+        assert "pyarrow" in sys.modules and "trace" in dir(hooks)
+        assert hooks.progress.ProgressBarHook is ProgressBarHook
+        try:
+            hooks.NoSuchHook
+        except AttributeError as exc:
+            assert "NoSuchHook" in str(exc)
+        else:
+            raise AssertionError("no AttributeError")
+        """
+    )
+    assert result.returncode == 0, result.stderr
+
+
 PUBLIC_PACKAGES = (
     "recis_async",
     "recis_async.checkpoint",

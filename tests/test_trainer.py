@@ -363,6 +363,41 @@ async def test_non_scalar_loss_is_refused_naming_the_shape() -> None:
         await trainer.train()
 
 
+@pytest.mark.parametrize(
+    ("output", "error", "match"),
+    [
+        (
+            "vector",
+            TypeError,
+            r"model\(batch\)\['loss'\]: expected the scalar loss tensor, got a "
+            r"tensor of shape \(4, 1\)",
+        ),
+        ("detached", ValueError, r"expected a loss that requires grad"),
+        ("other key", TypeError, r"got a dict without 'loss' \(keys: \['lost'\]\)"),
+    ],
+)
+async def test_a_dict_of_one_entry_is_checked_as_any_output(
+    output: str, error: type[Exception], match: str
+) -> None:
+    class OneEntry(Model):
+        def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            if output == "vector":
+                return {"loss": self.linear(batch["x"])}
+            if output == "detached":
+                return {"loss": super().forward(batch).detach()}
+            return {"lost": super().forward(batch)}
+
+    model = OneEntry()
+    trainer = Trainer(
+        model,
+        TrainingArguments(save_steps=None),
+        train_dataset=batches(1),
+        dense_optimizers=(torch.optim.SGD(model.parameters(), 0.1), None),
+    )
+    with pytest.raises(error, match=match):
+        await trainer.train()
+
+
 async def test_a_loss_without_grad_is_refused_before_backward() -> None:
     class Detached(Model):
         def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

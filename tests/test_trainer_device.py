@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from recis_async import HookBus, Priority, Trainer, TrainingArguments
-from recis_async.batches import Lookahead, model_device, to_device
+from recis_async.batches import Lookahead, model_device, mover, to_device
 from recis_async.events import AfterStep, BeforeStep
 
 pytestmark = pytest.mark.anyio
@@ -65,6 +65,42 @@ def test_lookahead_reads_ahead_once_and_hands_out_in_order() -> None:
     assert [ahead.take(), ahead.take()] == [10, 20]
     with pytest.raises(StopIteration):
         ahead.take()
+
+
+def test_take_alone_reads_one_batch_at_a_time_and_prepares_each_once() -> None:
+    read: list[int] = []
+    prepared: list[int] = []
+
+    def source() -> Any:
+        for i in range(2):
+            read.append(i)
+            yield i
+
+    def prepare(b: int) -> int:
+        prepared.append(b)
+        return b + 100
+
+    ahead = Lookahead(source(), prepare=prepare)
+    assert ahead.take() == 100 and read == [0] and prepared == [0]
+    assert ahead.has(1) and ahead.take() == 101 and prepared == [0, 1]
+    for _ in range(2):  # the end is remembered: the exhausted iterator is not read again
+        with pytest.raises(StopIteration):
+            ahead.take()
+    assert not ahead.has(1) and read == [0, 1]
+
+
+@pytest.mark.parametrize("keep", [(), ("ids",), ("x", "ids")])
+@pytest.mark.parametrize("device", [torch.device("cpu"), META])
+def test_mover_moves_as_to_device_does(device: torch.device, keep: tuple[str, ...]) -> None:
+    batch = {"x": torch.ones(2), "ids": torch.arange(2), "rows": [torch.zeros(1)], "name": "b"}
+    moved, expected = mover(device, keep)(batch), to_device(batch, device, keep)
+    assert (moved is batch) == (expected is batch)
+    assert moved.keys() == expected.keys() and moved["name"] == "b"
+    for key in ("x", "ids"):
+        assert moved[key].device == expected[key].device
+        assert (moved[key] is batch[key]) == (expected[key] is batch[key])
+    assert moved["rows"][0].device == expected["rows"][0].device
+    assert batch["x"].device.type == "cpu"  # the user's batch is never changed in place
 
 
 class Recorder(torch.nn.Module):

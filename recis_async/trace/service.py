@@ -64,7 +64,7 @@ from .._checks import (
     positive_number,
 )
 from ..errors import SinkError, TraceDeliveryError
-from ..service import first_of, yield_to_services
+from ..service import CloseOnce, first_of, yield_to_services
 from .base import Attempt, Sink
 from .buffer import Batch
 from .schema import OdpsType
@@ -299,8 +299,7 @@ class TraceWriter:
         self._spills: list[_Spilled] = []  # in order; lost ones have no path
         self._lost_reported = 0  # how many lost records raise_if_lost reported already
         self._reported = 0  # how many spill records a close error reported already
-        self._close_started = False
-        self._close_done = anyio.Event()  # the one close has ended, however
+        self._closer = CloseOnce()
         self._spill_kinds: dict[str, int] = {}
         self._last_error: str | None = None
         self._wait_s = 0.0
@@ -461,7 +460,6 @@ class TraceWriter:
         self._finished = anyio.Event()
         self._open_lock = anyio.Lock()
         self._open_tried = anyio.Event()
-        self._close_done = anyio.Event()
 
     @property
     def used(self) -> bool:
@@ -811,17 +809,7 @@ class TraceWriter:
         its own error) or else by the next ``aclose``.  :meth:`stats` keeps the spill files
         either way."""
         self._bind()
-        if self._close_started:
-            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
-                await self._close_done.wait()
-            self._raise_unreported()
-            return
-        self._close_started = True
-        try:
-            await self._close(deadline)
-        finally:
-            self._close_done.set()
-        self._raise_unreported()
+        await self._closer(self._close, deadline, self.take_close_error)
 
     def take_close_error(self) -> TraceDeliveryError | None:
         """The error the close found that no ``aclose`` has raised yet, or None; it counts
@@ -829,15 +817,10 @@ class TraceWriter:
         signal, or an overrun deadline): a cancelled ``aclose`` cannot raise it, and the
         user reading the bus's error must still find the spill files and how to replay
         them.  None before the close began (what the run spilled is the close's to report)."""
-        if not self._close_started or len(self._spills) <= self._reported:
+        if not self._closer.started or len(self._spills) <= self._reported:
             return None
         self._reported = len(self._spills)
         return self._close_error()
-
-    def _raise_unreported(self) -> None:
-        error = self.take_close_error()
-        if error is not None:
-            raise error
 
     def _replay_command(self) -> str:
         """How to deliver a spill file of this writer's sink from a shell."""

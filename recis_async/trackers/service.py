@@ -54,7 +54,7 @@ from .._checks import positive_number
 from ..console import log_failure
 from ..errors import OnError, TrackerError
 from ..events import EndStatus
-from ..service import first_of
+from ..service import CloseOnce, first_of
 from .base import (
     RunSpec,
     StepRecord,
@@ -208,8 +208,7 @@ class TrackerService:
         self._kept_at_stop = 0  # records kept for the close past the buffer's bound
         self._no_room: list[Path] = []  # where records that found no room after a stop went
         self._timed_out: list[Path] = []  # where records that waited send_timeout went
-        self._close_started = False
-        self._close_done: anyio.Event | None = None  # the one close has ended, however
+        self._closer = CloseOnce()
         self._unreported: Exception | None = None  # what a close cut short could not raise
         self._counts = {
             "records": 0,
@@ -683,19 +682,7 @@ class TrackerService:
         Idempotent, and a failure is reported once: the close runs once; a later ``aclose``
         (or one called while the first is under way, which it waits for until ``deadline``)
         raises only what no earlier one reported."""
-        if self._close_done is None:
-            self._close_done = anyio.Event()
-        if self._close_started:
-            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
-                await self._close_done.wait()
-            self._raise_unreported()
-            return
-        self._close_started = True
-        try:
-            await self._close(deadline)
-        finally:
-            self._close_done.set()
-        self._raise_unreported()
+        await self._closer(self._close, deadline, self.take_close_error)
 
     def take_close_error(self) -> Exception | None:
         """The error the close found that no ``aclose`` has raised yet, or None; it counts
@@ -705,11 +692,6 @@ class TrackerService:
         them."""
         error, self._unreported = self._unreported, None
         return error
-
-    def _raise_unreported(self) -> None:
-        error = self.take_close_error()
-        if error is not None:
-            raise error
 
     async def _close(self, deadline: float) -> None:
         self._closing = True
