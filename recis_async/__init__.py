@@ -14,10 +14,9 @@ tracker's child process, say -- does not import torch with it.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from . import _lazy
 
 if TYPE_CHECKING:
     from .aggregate import MetricAggregator
@@ -122,27 +121,4 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is not None:
-        value = getattr(importlib.import_module(module, __name__), name)
-        globals()[name] = value  # later lookups are plain attribute reads, as with an import
-        return value
-    # a subpackage not imported yet (``recis_async.hooks.X`` after ``import recis_async``)
-    if (
-        name.isidentifier()
-        and not name.startswith("_")
-        and importlib.util.find_spec(f"{__name__}.{name}") is not None
-    ):
-        return importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    """The public names and the subpackages imported so far, not this module's helpers."""
-    loaded = [
-        name
-        for name, value in globals().items()
-        if isinstance(value, ModuleType) and value.__name__ == f"{__name__}.{name}"
-    ]
-    return sorted({*__all__, "__version__", *loaded})
+__getattr__, __dir__ = _lazy.attach(__name__, _WHERE, [*__all__, "__version__"])

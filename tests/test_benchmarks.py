@@ -14,6 +14,15 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def table_rows(out: str, header: str) -> dict[str, list[str]]:
+    """The rows of the Markdown tables in ``out``, by first cell (header rows left out)."""
+    return {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+        for line in out.splitlines()
+        if line.startswith("| ") and not line.startswith(f"| {header}")
+    }
+
+
 @pytest.mark.slow
 def test_bench_gpu_runs_in_cpu_smoke_mode() -> None:
     """``benchmarks/bench_gpu.py --device cpu``: every variant runs with every hook on, and the
@@ -48,11 +57,7 @@ def test_bench_hooks_breakdown_names_every_hook_and_collector_of_the_job() -> No
         env=env, capture_output=True, text=True, timeout=600, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    rows = {
-        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-        for line in proc.stdout.splitlines()
-        if line.startswith("| ") and not line.startswith("| row")
-    }
+    rows = table_rows(proc.stdout, "row")
     for name in ("hook ProgressBarHook.after_step", "hook MLTrackerHook.after_step",
                  "hook LoggerHook.after_step", "hook CheckpointSaverHook.after_step",
                  "collector add_metric", "collector add_to_ml_tracker",
@@ -162,11 +167,7 @@ def test_bench_import_times_each_path_and_names_what_it_pulled_in() -> None:
         env=env, capture_output=True, text=True, timeout=600, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    rows = {
-        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-        for line in proc.stdout.splitlines()
-        if line.startswith("| ") and not line.startswith("| path")
-    }
+    rows = table_rows(proc.stdout, "path")
     assert sorted(rows) == ["own", "own@compare", "trace", "trace@compare"], proc.stdout
     assert "pyarrow" not in rows["own"][1] and "pyarrow" in rows["trace"][1], proc.stdout
     assert float(rows["own"][0].split()[0]) > 0, proc.stdout
