@@ -67,15 +67,8 @@ def mover(device: torch.device, keep_on_host: Collection[str] = ()) -> Callable[
     """:func:`to_device` for ``device`` as a one-argument function, for a loop that moves
     every batch: what depends only on the device is worked out once, here."""
     to_cpu = device.type == "cpu"
-    plain = to_cpu and not keep_on_host
 
     def move(batch: Any) -> Any:
-        if plain and type(batch) is dict:  # the common batch on the CPU, decided here
-            for value in batch.values():
-                if type(value) is not torch.Tensor or not value.is_cpu:
-                    break
-            else:
-                return batch  # host tensors only: nothing moves
         return _to(batch, device, to_cpu, keep_on_host)
 
     return move
@@ -147,13 +140,6 @@ class Lookahead:
 
     def take(self) -> Any:
         """The next batch; ``StopIteration`` when the data ended."""
-        if self._ready:
-            return self._ready.pop(0)
-        if self._ended:
+        if not self.has(1):
             raise StopIteration
-        try:  # nothing read ahead (a rank alone): read it here, in one call
-            batch = next(self._it)
-        except StopIteration:
-            self._ended = True
-            raise
-        return batch if self._prepare is None else self._prepare(batch)
+        return self._ready.pop(0)

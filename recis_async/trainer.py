@@ -569,7 +569,7 @@ class Trainer:
                 self.data_position.batches += 1
                 if has(AfterData):  # (an event nobody receives is not built)
                     await bus.publish(_At(True, step, local, epoch)(AfterData))
-                loss = _training_loss(self.model(batch))
+                loss = _trainable(_loss_of(self.model(batch)))
                 (loss / accumulate if accumulate > 1 else loss).backward()
                 if (step + 1) % accumulate == 0:
                     if has(AfterBackward) or has(BeforeOptimizerStep) or has(AfterOptimizerStep):
@@ -862,16 +862,6 @@ def _check_loss(loss: Any, where: str) -> torch.Tensor:
         )
         raise TypeError(f"{where}: expected {expected}, got {what}")
     return loss
-
-
-def _training_loss(output: Any) -> torch.Tensor:
-    """The loss of a training step in ``model(batch)``'s output (:func:`_loss_of`, then
-    :func:`_trainable`), with the common outputs -- the loss tensor, a dict of the loss
-    alone -- checked here, without those calls."""
-    loss = output.get("loss") if type(output) is dict and len(output) == 1 else output
-    if type(loss) is torch.Tensor and loss.requires_grad and loss.numel() == 1:
-        return loss
-    return _trainable(_loss_of(output))
 
 
 def _trainable(loss: torch.Tensor) -> torch.Tensor:
