@@ -557,14 +557,14 @@ class Trainer:
         # Whether anyone receives the optional step events, asked again only when the bus's
         # subscriptions changed (a hook added during the run receives them from the next step).
         generation = -1
-        before = data = backward = optimizer = False
+        before = after_data = backward = optimizer = False
         while self._steps_left():
             step = self.global_step
             try:
                 if bus._generation != generation:
                     generation = bus._generation
                     before = bus.has_subscribers(BeforeStep)
-                    data = bus.has_subscribers(AfterData)
+                    after_data = bus.has_subscribers(AfterData)
                     backward = bus.has_subscribers(AfterBackward)
                     optimizer = (
                         backward
@@ -583,7 +583,7 @@ class Trainer:
                     await bus.publish(_At(True, step, local, epoch)(OutOfData))
                     return True
                 self.data_position.batches += 1
-                if data:  # (an event nobody receives is not built)
+                if after_data:  # (an event nobody receives is not built)
                     await bus.publish(_At(True, step, local, epoch)(AfterData))
                 loss = _trainable(_loss_of(self.model(batch)))
                 (loss / accumulate if accumulate > 1 else loss).backward()
