@@ -175,7 +175,7 @@ def make_net(
                     record(loss)
                 if trace:
                     add_to_trace("id", ids)
-                    add_to_ml_tracker("loss", loss.detach())
+                    add_to_ml_tracker("loss", loss)
             return {"loss": loss}
 
     class BatchNet(Net):
@@ -290,7 +290,7 @@ def _loss_recorder() -> Any:
     from recis_async import add_to_ml_tracker
 
     def record(loss: Any) -> None:
-        add_to_ml_tracker("loss", loss.detach())
+        add_to_ml_tracker("loss", loss)
 
     return record
 

@@ -11,6 +11,7 @@ the CPU nothing is copied: the same call returns the batch as it is.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
@@ -124,22 +125,30 @@ class Lookahead:
     def __init__(self, it: Iterator[Any], prepare: Any = None) -> None:
         self._it = it
         self._prepare = prepare
-        self._ready: list[Any] = []
+        self._ready: deque[Any] = deque()
         self._ended = False
 
     def has(self, n: int) -> bool:
         """Whether at least ``n`` more batches exist (reads ahead to find out)."""
-        while len(self._ready) < n and not self._ended:
-            try:
-                batch = next(self._it)
-            except StopIteration:
-                self._ended = True
-                break
-            self._ready.append(batch if self._prepare is None else self._prepare(batch))
-        return len(self._ready) >= n
+        while len(self._ready) < n:
+            if not self._read():
+                return False
+        return True
 
     def take(self) -> Any:
         """The next batch; ``StopIteration`` when the data ended."""
-        if not self.has(1):
-            raise StopIteration
-        return self._ready.pop(0)
+        if self._ready or self._read():
+            return self._ready.popleft()
+        raise StopIteration
+
+    def _read(self) -> bool:
+        """Read one more batch into the queue; false once the data has ended."""
+        if self._ended:
+            return False
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            self._ended = True
+            return False
+        self._ready.append(batch if self._prepare is None else self._prepare(batch))
+        return True

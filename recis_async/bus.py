@@ -99,6 +99,7 @@ class HookBus:
         self._handle_signals = boolean("HookBus", "handle_signals", handle_signals)
         self._subs: list[Subscription] = []
         self._routes: dict[type, Route] = {}  # built by routes.build, cleared on (un)subscribe
+        self._generation = 0  # counts those changes: a loop may keep has_subscribers' answers
         self._seq = 0
         self._hooks: list[Hook] = []
         self._services: list[Service] = []
@@ -515,6 +516,7 @@ class HookBus:
         sub = Subscription(self, event_type, fn, name, priority, self._seq, filters, on_error)
         self._subs.append(sub)
         self._routes.clear()
+        self._generation += 1
         return sub
 
     def unsubscribe(self, subscription: Subscription) -> None:
@@ -531,6 +533,7 @@ class HookBus:
         except ValueError:
             return  # another bus's subscription: nothing of it is here
         self._routes.clear()
+        self._generation += 1
 
     def _route(self, event_type: type) -> Route:
         return routes.build(self._routes, event_type, self._subs)
@@ -538,10 +541,17 @@ class HookBus:
     def has_subscribers(self, event_type: type[Event]) -> bool:
         """Whether an event of ``event_type`` would reach a subscriber now (one of that type or
         of a base class).  A loop may skip building and publishing an event nobody receives;
-        the events the bus itself acts on (``BeforeStep``, ``AfterStep``, ``OutOfData``,
-        ``End``) are published whatever this says."""
+        the events the bus itself acts on (``AfterStep``, ``OutOfData``, ``End``) are published
+        whatever this says, and so is ``BeforeStep`` by the loops of users (the library's own
+        loops do the bus's part of one nobody receives without publishing it)."""
         route = self._routes.get(event_type) or self._route(event_type)
         return bool(route.entries)
+
+    def _begin_step(self, is_train: bool) -> None:
+        """What the bus does on a ``BeforeStep`` (values of the other kind of step dropped),
+        for the library's loops, which build and publish one only where a subscriber receives
+        it: a publish nobody receives costs the step the bus's whole publish all the same."""
+        self._collector.begin_step(is_train)
 
     # ------------------------------------------------------------------ publishing
     def publish(self, event: Event) -> Coroutine[Any, Any, None]:

@@ -741,6 +741,10 @@ class SyncHookBus:
         """As :meth:`HookBus.has_subscribers <recis_async.HookBus.has_subscribers>`."""
         return self._bus.has_subscribers(event_type)
 
+    def _begin_step(self, is_train: bool) -> None:
+        """As ``HookBus._begin_step``: the bus's part of a ``BeforeStep`` nobody receives."""
+        self._bus._begin_step(is_train)
+
     # ------------------------------------------------------------------ observability
     def stats(self) -> dict[str, Any]:
         """As :meth:`HookBus.stats <recis_async.HookBus.stats>`."""

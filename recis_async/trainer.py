@@ -554,32 +554,48 @@ class Trainer:
             agreement.start(await self._offer_or_fail(bus, batches, 2), self.global_step)
         # The step's own code runs right after the model's compute, with Python's code out of
         # cache: kept to few calls (events built directly, a publish only where one listens).
-        has = bus.has_subscribers
+        # Whether anyone receives the optional step events, asked again only when the bus's
+        # subscriptions changed (a hook added during the run receives them from the next step).
+        generation = -1
+        before = after_data = backward = optimizer = False
         while self._steps_left():
             step = self.global_step
             try:
-                await bus.publish(
-                    BeforeStep(is_train=True, global_step=step, local_step=local, epoch=epoch)
-                )
+                if bus._generation != generation:
+                    generation = bus._generation
+                    before = bus.has_subscribers(BeforeStep)
+                    after_data = bus.has_subscribers(AfterData)
+                    backward = bus.has_subscribers(AfterBackward)
+                    optimizer = (
+                        backward
+                        or bus.has_subscribers(BeforeOptimizerStep)
+                        or bus.has_subscribers(AfterOptimizerStep)
+                    )
+                if before:
+                    await bus.publish(
+                        BeforeStep(is_train=True, global_step=step, local_step=local, epoch=epoch)
+                    )
+                else:
+                    bus._begin_step(True)
                 try:
                     batch = batches.take()
                 except StopIteration:
                     await bus.publish(_At(True, step, local, epoch)(OutOfData))
                     return True
                 self.data_position.batches += 1
-                if has(AfterData):  # (an event nobody receives is not built)
+                if after_data:  # (an event nobody receives is not built)
                     await bus.publish(_At(True, step, local, epoch)(AfterData))
                 loss = _trainable(_loss_of(self.model(batch)))
                 (loss / accumulate if accumulate > 1 else loss).backward()
                 if (step + 1) % accumulate == 0:
-                    if has(AfterBackward) or has(BeforeOptimizerStep) or has(AfterOptimizerStep):
+                    if optimizer:
                         at = _At(True, step, local, epoch)
-                        if has(AfterBackward):
+                        if backward:
                             await bus.publish(at(AfterBackward, sync=True))
                         await self._optimizer_step(bus, at)
                     else:
                         self._step_optimizer()
-                elif has(AfterBackward):
+                elif backward:
                     await bus.publish(_At(True, step, local, epoch)(AfterBackward, sync=False))
                 add_metric("loss", loss)  # a device's tensor is read at the log window
                 self.global_step = step + 1

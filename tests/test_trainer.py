@@ -7,11 +7,13 @@ import pytest
 import torch
 from toy import Model, batches
 
-from recis_async import Hook, HookBus, Trainer, TrainingArguments
+from recis_async import Hook, HookBus, Trainer, TrainingArguments, add_metric
 from recis_async.events import (
     AfterBackward,
+    AfterEval,
     AfterStep,
     BeforeOptimizerStep,
+    BeforeStep,
     Event,
     StepEvent,
 )
@@ -279,6 +281,48 @@ async def test_step_events_nobody_receives_are_not_published() -> None:
         assert not bus.has_subscribers(AfterBackward)
     assert "AfterBackward" in published and "AfterData" not in published
     assert backward == [3, 4, 5]
+
+
+async def test_a_before_step_nobody_receives_is_not_published_yet_the_bus_acts_on_it() -> None:
+    """Without a ``BeforeStep`` subscriber (no logger) the trainer publishes none, and the bus
+    still does its part of one: a value collected after an evaluation, before the next
+    training step, belongs to neither and is dropped, not merged into that training step."""
+
+    class Stray(Hook):
+        def __init__(self) -> None:
+            self.train_metrics: list[list[str]] = []
+
+        def after_eval(self, event: AfterEval) -> None:
+            add_metric("stray", 1.0)
+
+        def after_step(self, event: AfterStep) -> None:
+            if event.is_train:
+                self.train_metrics.append(sorted(event.metrics))
+
+    stray = Stray()
+    trainer, _ = make(batches(2), Recorder(), eval_data=batches(1))
+    trainer.hooks = [stray]
+    trainer.logger_hook = None
+    published: list[str] = []
+    async with HookBus() as bus:
+        publish = bus.publish
+
+        def recording(event: Event) -> Any:
+            published.append(type(event).__name__)
+            return publish(event)
+
+        bus.publish = recording  # type: ignore[method-assign]
+        trainer.bus = bus
+        assert not bus.has_subscribers(BeforeStep)
+        await trainer.evaluate()
+        await trainer.train()
+        train_steps = published[published.index("AfterEval") :]
+        assert "BeforeStep" not in train_steps and train_steps.count("AfterStep") == 2
+        assert stray.train_metrics == [["loss"], ["loss"]]
+        late: list[int] = []  # a subscriber added later receives it from then on
+        with bus.subscribe(BeforeStep, lambda e: late.append(e.global_step)):
+            await trainer.train()
+        assert late == [2, 3, 4]  # the last one finds the data ended (OutOfData)
 
 
 async def test_body_error_from_model_ends_failed() -> None:

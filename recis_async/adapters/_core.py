@@ -189,7 +189,10 @@ class Driver:
             is_train=is_train, global_step=global_step, local_step=local_step, epoch=epoch
         )
         self._optimized = False
-        bus.publish(step)
+        if bus.has_subscribers(BeforeStep):
+            bus.publish(step)
+        else:  # as the Trainer: a publish nobody receives is not made
+            bus._begin_step(is_train)
         if data:
             self.after_data()
 

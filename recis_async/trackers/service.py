@@ -318,7 +318,8 @@ class TrackerService:
         """:meth:`put` when there is room: buffer the record (or drop it, once disabled) and
         return true; false, buffering nothing, while the buffer is too full (then
         ``await put``).  Raises as :meth:`put` does."""
-        self._check_open()
+        if self._failure is not None or self._closing:
+            self._check_open()  # raises
         if self._disabled:
             self._counts["dropped"] += 1
             return True

@@ -124,3 +124,35 @@ def test_unsubscribed_step_events_are_not_built_until_a_hook_wants_them(
         assert BUILT == ["AfterData"]
         assert late.seen == [("CountedAfterData", 3), ("AfterStep", 3)]
     assert hook.seen == [("AfterStep", s) for s in range(4)]
+
+
+def test_a_before_step_nobody_receives_is_not_published_yet_the_bus_acts_on_it() -> None:
+    """As in the Trainer: with no ``BeforeStep`` subscriber the driver publishes none, and the
+    bus still does its part: a value collected after an evaluation step, before the next
+    training step, is dropped rather than merged into that step."""
+    from recis_async import add_metric
+
+    hook = Seen()
+    published: list[str] = []
+    with SyncHookBus(handle_signals=False) as bus:
+        publish = bus.publish
+
+        def recording(event: Event) -> None:
+            published.append(type(event).__name__)
+            publish(event)
+
+        bus.publish = recording  # type: ignore[method-assign]
+        metrics: list[list[str]] = []
+        bus.subscribe(AfterStep, lambda e: metrics.append(sorted(e.metrics)))
+        driver = Driver("test", [hook], bus, 10.0, False)
+        driver.start()
+        driver.begin_step(False, 0, 0, 0)  # an evaluation step
+        driver.end_step(4)
+        add_metric("stray", 1.0)  # between the steps: belongs to neither
+        one_step(driver, 0)
+        assert "BeforeStep" not in published and metrics == [[], ["loss"]]
+        late = Seen(BeforeStep)
+        bus.add_hook(late)
+        one_step(driver, 1)
+        assert late.seen == [("BeforeStep", 1), ("AfterStep", 1)]
+        assert published.count("BeforeStep") == 1
