@@ -19,8 +19,18 @@ full speed, is left out of the count: ``bench_trace.py`` measures it).
 
 Printed: instructions per step, and over the plain loop's of the same run.
 
+``--cycles`` simulates the caches and the branch predictor as well (``--cache-sim=yes
+--branch-sim=yes``, about twice as slow) and prints estimated cycles instead, by
+KCachegrind's formula: instructions + 10 per first-level cache miss + 100 per last-level
+miss + 10 per mispredicted branch.  The library's code on the step misses the caches and
+mispredicts more often than the model's compute, so its share of the estimate is what its
+share of the step's time is (checked against ``bench_peers``' CPU figures: benchmarks/README.md,
+"Estimated cycles"); the estimate moves by up to ~1 % of the step between runs of the same
+code (where the heap lands), the instruction count by ~0.1 %.
+
     python benchmarks/bench_instructions.py [--only trainer,own] [--steps 100]
     python benchmarks/bench_instructions.py --compare <checkout>   # before/after rows
+    python benchmarks/bench_instructions.py --cycles              # % of the plain loop's step
 """
 
 from __future__ import annotations
@@ -124,23 +134,37 @@ def child(config: str, steps: int, hidden: int, toggle: bool) -> None:
         )  # fmt: skip
 
 
-def count(config: str, steps: int, hidden: int, code: Path) -> float:
-    """Instructions per step of ``config`` with the recis_async of ``code``."""
+def count(config: str, steps: int, hidden: int, code: Path, cycles: bool = False) -> float:
+    """Instructions (``cycles``: estimated cycles) per step of ``config`` with the
+    recis_async of ``code``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "callgrind.out"
         env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+        sim = ["--cache-sim=yes", "--branch-sim=yes"] if cycles else []
         proc = subprocess.run(
-            ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+            ["valgrind", "--tool=callgrind", "--instr-atstart=no", *sim,
              f"--callgrind-out-file={out}", sys.executable, __file__, "--child", config,
              "--steps", str(steps), "--hidden", str(hidden), "--toggle"],
             env=env, capture_output=True, text=True, cwd=code,
         )  # fmt: skip
         if proc.returncode != 0:
             raise SystemExit(f"{config}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
-        totals = [line for line in out.read_text().splitlines() if line.startswith("totals:")]
-        if not totals:  # (the "summary:" line above it counts from the start: 0 here)
+        lines = out.read_text().splitlines()
+        events = [line.split()[1:] for line in lines if line.startswith("events:")]
+        totals = [line.split()[1:] for line in lines if line.startswith("totals:")]
+        if not events or not totals:  # (the "summary:" line counts from the start: 0 here)
             raise SystemExit(f"{config}: callgrind wrote no totals")
-        return int(totals[-1].split()[1]) / steps
+        counts = dict(zip(events[-1], map(int, totals[-1]), strict=True))
+        return (estimated_cycles(counts) if cycles else counts["Ir"]) / steps
+
+
+def estimated_cycles(counts: dict[str, int]) -> int:
+    """KCachegrind's cycle estimate from callgrind's event counts (cache and branch
+    simulation on): a first-level miss costs 10 cycles, a last-level one 100, a mispredicted
+    branch 10."""
+    first = counts["I1mr"] + counts["D1mr"] + counts["D1mw"]
+    last = counts["ILmr"] + counts["DLmr"] + counts["DLmw"]
+    return counts["Ir"] + 10 * first + 100 * last + 10 * (counts["Bcm"] + counts["Bim"])
 
 
 def main() -> None:
@@ -151,6 +175,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100, help="steps counted a run")
     parser.add_argument("--hidden", type=int, default=16, help="the MLP's hidden width")
     parser.add_argument("--compare", metavar="DIR", help="also count the checkout DIR's code")
+    parser.add_argument(
+        "--cycles", action="store_true", help="estimated cycles (cache and branch simulation)"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--toggle", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -171,15 +198,17 @@ def main() -> None:
     rows = []
     for config in configs:
         for suffix, code in codes if config != "plain" else codes[:1]:
-            per_step = count(config, args.steps, args.hidden, code)
+            per_step = count(config, args.steps, args.hidden, code, args.cycles)
             rows.append((config + suffix, per_step))
             print(f"{config + suffix:24s} {per_step / 1e3:9.1f}k", file=sys.stderr, flush=True)
     plain = rows[0][1]
-    print(f"instructions per step (callgrind, {args.steps} steps, --hidden {args.hidden})\n")
-    print("| path | k instructions / step | over plain |")
-    print("|---|---|---|")
+    what = "estimated cycles" if args.cycles else "instructions"
+    print(f"{what} per step (callgrind, {args.steps} steps, --hidden {args.hidden})\n")
+    print(f"| path | k {what} / step | over plain | over plain, % of its step |")
+    print("|---|---|---|---|")
     for label, per_step in rows:
-        print(f"| {label} | {per_step / 1e3:.1f} | {(per_step - plain) / 1e3:+.1f} |")
+        over = per_step - plain
+        print(f"| {label} | {per_step / 1e3:.1f} | {over / 1e3:+.1f} | {100 * over / plain:+.1f} |")
 
 
 if __name__ == "__main__":

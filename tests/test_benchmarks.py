@@ -142,19 +142,35 @@ def test_bench_instructions_child_runs_each_path_without_valgrind() -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind")
-def test_bench_instructions_counts_each_path_under_callgrind() -> None:
-    """``bench_instructions.py``: a count per path, the plain loop's first, each over it."""
+@pytest.mark.parametrize("cycles", [False, True], ids=["instructions", "cycles"])
+def test_bench_instructions_counts_each_path_under_callgrind(cycles: bool) -> None:
+    """``bench_instructions.py``: a count per path, the plain loop's first, each over it (in
+    k and in % of the plain loop's); ``--cycles``: estimated cycles, more than instructions."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "benchmarks/bench_instructions.py", "--only", "async-loop",
-         "--steps", "5"],
+         "--steps", "5", *(["--cycles"] if cycles else [])],
         env=env, capture_output=True, text=True, timeout=900, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line[:3] == "| p"
-            or line[:3] == "| a"]  # fmt: skip
-    assert [r[0].strip() for r in rows] == ["path", "plain", "async-loop"], proc.stdout
-    assert rows[1][2].strip() == "+0.0" and float(rows[2][1]) > 100, proc.stdout
+    rows = table_rows(proc.stdout, "path")
+    assert list(rows) == ["plain", "async-loop"], proc.stdout
+    assert rows["plain"][1:] == ["+0.0", "+0.0"] and float(rows["async-loop"][0]) > 100, proc.stdout
+    plain, own = float(rows["plain"][0]), float(rows["async-loop"][0])
+    assert float(rows["async-loop"][2]) == pytest.approx(100 * (own - plain) / plain, abs=0.1)
+    assert ("estimated cycles per step" in proc.stdout) is cycles, proc.stdout
+
+
+def test_estimated_cycles_weighs_misses_by_kcachegrinds_formula() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from bench_instructions import estimated_cycles
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    counts = dict(
+        Ir=1000, I1mr=1, D1mr=2, D1mw=3, ILmr=1, DLmr=0, DLmw=2, Bc=50, Bcm=4, Bi=9, Bim=1
+    )
+    assert estimated_cycles(counts) == 1000 + 10 * 6 + 100 * 3 + 10 * 5
 
 
 def test_bench_import_times_each_path_and_names_what_it_pulled_in() -> None:
