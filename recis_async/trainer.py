@@ -148,10 +148,10 @@ class Trainer:
     :meth:`train_and_evaluate` opens and closes its own :class:`HookBus` with ``hooks`` added.
 
     Unless ``hooks`` hold their own, the trainer adds a :class:`LoggerHook` logging every
-    ``args.log_steps`` steps (``logger_hook``) and, when ``args.save_steps`` is set, a
-    :class:`CheckpointSaverHook` (``checkpoint_hook``) saving its model, optimizer and LR
-    scheduler into ``args.output_dir`` every ``save_steps`` steps and at the end, keeping
-    ``max_to_keep``.
+    ``args.log_steps`` steps (``logger_hook``; set it to ``None`` for no log lines) and, when
+    ``args.save_steps`` is set, a :class:`CheckpointSaverHook` (``checkpoint_hook``) saving its
+    model, optimizer and LR scheduler into ``args.output_dir`` every ``save_steps`` steps and
+    at the end, keeping ``max_to_keep``.
     A :class:`ProgressBarHook` without a ``total`` gets the planned number of steps.
 
     The device: batches (tensors in nested dicts, lists, tuples) are moved to ``device`` with
@@ -260,7 +260,7 @@ class Trainer:
         self._last_eval: dict[str, Any] = {}
         self._last_local = 0  # the last training step's local_step: a leftover update's
         self._agreement: Agreement | None = None  # while a distributed training loop runs
-        self.logger_hook = LoggerHook(log_step=args.log_steps)
+        self.logger_hook: LoggerHook | None = LoggerHook(log_step=args.log_steps)
         self.data_position = DataPosition()  # saved in checkpoints under "Trainer"
         self.checkpoint_hook: CheckpointSaverHook | None = None
         if args.save_steps is not None and not any(

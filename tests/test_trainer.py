@@ -254,21 +254,27 @@ async def test_trainer_uses_a_given_open_bus_and_end_once() -> None:
     assert rec.log.count("End") == 1 and rec.log[-1] == "End"
 
 
+def published_names(bus: HookBus) -> list[str]:
+    """The names of the events published on ``bus`` from now on, in order (a live list)."""
+    published: list[str] = []
+    publish = bus.publish
+
+    def recording(event: Event) -> Any:
+        published.append(type(event).__name__)
+        return publish(event)
+
+    bus.publish = recording  # type: ignore[method-assign]
+    return published
+
+
 async def test_step_events_nobody_receives_are_not_published() -> None:
     """AfterData, AfterBackward and the optimizer-step events reach their subscribers, with
     their step's fields; with none, the trainer does not build or publish them."""
     trainer, _ = make(batches(3), Recorder())
     trainer.hooks = [h for h in trainer.hooks if not isinstance(h, Recorder)]
-    published: list[str] = []
     backward: list[int] = []
     async with HookBus() as bus:
-        publish = bus.publish
-
-        def recording(event: Event) -> Any:
-            published.append(type(event).__name__)
-            return publish(event)
-
-        bus.publish = recording  # type: ignore[method-assign]
+        published = published_names(bus)
         trainer.bus = bus
         assert not bus.has_subscribers(AfterBackward)
         await trainer.train()
@@ -303,15 +309,8 @@ async def test_a_before_step_nobody_receives_is_not_published_yet_the_bus_acts_o
     trainer, _ = make(batches(2), Recorder(), eval_data=batches(1))
     trainer.hooks = [stray]
     trainer.logger_hook = None
-    published: list[str] = []
     async with HookBus() as bus:
-        publish = bus.publish
-
-        def recording(event: Event) -> Any:
-            published.append(type(event).__name__)
-            return publish(event)
-
-        bus.publish = recording  # type: ignore[method-assign]
+        published = published_names(bus)
         trainer.bus = bus
         assert not bus.has_subscribers(BeforeStep)
         await trainer.evaluate()
