@@ -547,11 +547,19 @@ class HookBus:
         route = self._routes.get(event_type) or self._route(event_type)
         return bool(route.entries)
 
-    def _begin_step(self, is_train: bool) -> None:
+    def _begin_step(self, is_train: bool) -> bool:
         """What the bus does on a ``BeforeStep`` (values of the other kind of step dropped),
         for the library's loops, which build and publish one only where a subscriber receives
-        it: a publish nobody receives costs the step the bus's whole publish all the same."""
+        it: a publish nobody receives costs the step the bus's whole publish all the same.
+
+        False, doing nothing, when the step boundary has something to raise or deliver (a
+        service's failure, a stop signal not acted on yet, a bus that is not open): the loop
+        then publishes its ``BeforeStep`` after all, which raises or delivers it before the
+        step runs, as it always did."""
+        if self._failures or self._signals.unseen or self._state != "open":
+            return False
         self._collector.begin_step(is_train)
+        return True
 
     # ------------------------------------------------------------------ publishing
     def publish(self, event: Event) -> Coroutine[Any, Any, None]:

@@ -741,9 +741,10 @@ class SyncHookBus:
         """As :meth:`HookBus.has_subscribers <recis_async.HookBus.has_subscribers>`."""
         return self._bus.has_subscribers(event_type)
 
-    def _begin_step(self, is_train: bool) -> None:
-        """As ``HookBus._begin_step``: the bus's part of a ``BeforeStep`` nobody receives."""
-        self._bus._begin_step(is_train)
+    def _begin_step(self, is_train: bool) -> bool:
+        """As ``HookBus._begin_step``; false too wherever :meth:`publish` would not run in the
+        caller (another thread, inside a subscriber, a loop of the caller's own)."""
+        return self._ready and _getcurrent() is self._caller and self._bus._begin_step(is_train)
 
     # ------------------------------------------------------------------ observability
     def stats(self) -> dict[str, Any]:

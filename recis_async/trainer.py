@@ -571,12 +571,10 @@ class Trainer:
                         or bus.has_subscribers(BeforeOptimizerStep)
                         or bus.has_subscribers(AfterOptimizerStep)
                     )
-                if before:
+                if before or not bus._begin_step(True):  # (a failure or signal: published)
                     await bus.publish(
                         BeforeStep(is_train=True, global_step=step, local_step=local, epoch=epoch)
                     )
-                else:
-                    bus._begin_step(True)
                 try:
                     batch = batches.take()
                 except StopIteration:

@@ -5,9 +5,9 @@ from typing import Any
 
 import pytest
 import torch
-from toy import Model, batches
+from toy import CountingModel, Model, ServiceFailsAfterFirstStep, batches
 
-from recis_async import Hook, HookBus, Trainer, TrainingArguments, add_metric
+from recis_async import Hook, HookBus, HookError, Trainer, TrainingArguments, add_metric
 from recis_async.events import (
     AfterBackward,
     AfterEval,
@@ -322,6 +322,24 @@ async def test_a_before_step_nobody_receives_is_not_published_yet_the_bus_acts_o
         with bus.subscribe(BeforeStep, lambda e: late.append(e.global_step)):
             await trainer.train()
         assert late == [2, 3, 4]  # the last one finds the data ended (OutOfData)
+
+
+async def test_a_failure_waiting_at_a_step_boundary_is_raised_before_the_next_step() -> None:
+    """With no ``BeforeStep`` subscriber the trainer publishes none, yet a service's failure
+    recorded during a step is still raised at the next step's start, before its model call
+    (the step boundary then publishes, as before): nothing runs that the failure would lose."""
+    model = CountingModel()
+    trainer = Trainer(
+        model,
+        TrainingArguments(save_steps=None),
+        train_dataset=batches(3),
+        hooks=[ServiceFailsAfterFirstStep()],
+        dense_optimizers=(torch.optim.SGD(model.parameters(), lr=0.05), None),
+    )
+    trainer.logger_hook = None
+    with pytest.raises(HookError, match="the disk is full"):
+        await trainer.train()
+    assert model.calls == 1
 
 
 async def test_body_error_from_model_ends_failed() -> None:

@@ -189,10 +189,10 @@ class Driver:
             is_train=is_train, global_step=global_step, local_step=local_step, epoch=epoch
         )
         self._optimized = False
-        if bus.has_subscribers(BeforeStep):
+        # as the Trainer: a publish nobody receives is not made, unless the bus has something
+        # to raise or deliver at this step boundary
+        if bus.has_subscribers(BeforeStep) or not bus._begin_step(is_train):
             bus.publish(step)
-        else:  # as the Trainer: a publish nobody receives is not made
-            bus._begin_step(is_train)
         if data:
             self.after_data()
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from toy import ServiceFailsAfterFirstStep
 
+from recis_async import HookError, add_metric
 from recis_async.adapters import _core
 from recis_async.adapters._core import Driver
 from recis_async.events import (
@@ -130,8 +132,6 @@ def test_a_before_step_nobody_receives_is_not_published_yet_the_bus_acts_on_it()
     """As in the Trainer: with no ``BeforeStep`` subscriber the driver publishes none, and the
     bus still does its part: a value collected after an evaluation step, before the next
     training step, is dropped rather than merged into that step."""
-    from recis_async import add_metric
-
     hook = Seen()
     published: list[str] = []
     with SyncHookBus(handle_signals=False) as bus:
@@ -156,3 +156,14 @@ def test_a_before_step_nobody_receives_is_not_published_yet_the_bus_acts_on_it()
         one_step(driver, 1)
         assert late.seen == [("BeforeStep", 1), ("AfterStep", 1)]
         assert published.count("BeforeStep") == 1
+
+
+def test_a_failure_waiting_at_a_step_boundary_is_raised_when_the_next_step_begins() -> None:
+    """With no ``BeforeStep`` subscriber, a service's failure recorded during a step is still
+    raised by the next ``begin_step``, before the framework runs that step."""
+    with SyncHookBus(handle_signals=False) as bus:
+        driver = Driver("test", [ServiceFailsAfterFirstStep()], bus, 10.0, False)
+        driver.start()
+        one_step(driver, 0)
+        with pytest.raises(HookError, match="the disk is full"):
+            driver.begin_step(True, 1, 1, 0)
