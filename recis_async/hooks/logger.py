@@ -13,11 +13,12 @@ of a run, and the first after a switch between training and evaluation, open the
 (at their end) and are not counted in its rate.  Training and evaluation keep separate
 counters, and a window only counts the time spent in its own mode, so an evaluation in the
 middle of training (and the idle time around it) does not lower the training rate.  A line
-whose window timed no step yet (``log_step=1``, its first line) shows ``nan`` rates.  Each ``AfterEval`` gets one summary
-line, ``<mode=eval_summary> <gstep=..> <steps=..> <loss=..> ...``, with the pass's aggregated
-metrics, and the eval counters start again for the next evaluation.  ``<lstep=..>`` is the
-event's ``local_step``; a loop that never passes one (every step says 0) gets the hook's own
-count of the steps of that mode instead, as RecIS's LoggerHook counts.
+whose window timed no step yet (``log_step=1``, its first line) shows ``nan`` rates.  Each
+``AfterEval`` gets one summary line, ``<mode=eval_summary> <gstep=..> <steps=..> <loss=..>
+...``, with the pass's aggregated metrics, and the eval counters start again for the next
+evaluation.  ``<lstep=..>`` is the event's ``local_step``; a loop that never passes one
+(every step says 0) gets the hook's own count of the steps of that mode instead, as RecIS's
+LoggerHook counts.
 
 When a line is written: at its step when the step's metrics are numbers.  Metrics recorded as
 tensors (``add_metric("loss", loss)`` on any device) are not read on the step: at the log step
