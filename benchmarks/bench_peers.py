@@ -507,7 +507,8 @@ def run_one(label: str, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench_peers_") as tmp:
         env = {
             **os.environ,
-            "PYTHONPATH": str(code),
+            # the code measured first, then the caller's path (packages installed there)
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")])),
             "OMP_NUM_THREADS": "1",
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",

@@ -120,6 +120,7 @@ class HookBus:
         self._loop: object = None  # the event loop run the bus was entered in
         self._service_scopes: list[anyio.CancelScope] = []
         self._last_yield = 0.0
+        self._steps_done: int | None = None  # see steps_done
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
 
@@ -255,7 +256,7 @@ class HookBus:
             # they cannot hold up the close, and they release what the run held (a progress
             # bar and the log handlers routed through it, say).
             route = self._routes.get(End) or self._route(End)
-            for sub, fn, is_async, filtered in route.entries:
+            for sub, fn, is_async, filtered, _ in route.entries:
                 if is_async or not sub.active or sub in reached:
                     continue
                 try:
@@ -611,6 +612,8 @@ class HookBus:
         kind = route.kind
         if kind:
             if kind == KIND_AFTER_STEP:
+                if event.is_train:
+                    self._steps_done = event.global_step + 1  # type: ignore[attr-defined]
                 collector = self._collector
                 if collector.metrics or collector.trace or collector.tracked:
                     event = self._with_collected(event)  # type: ignore[arg-type]
@@ -632,9 +635,13 @@ class HookBus:
                 return
         # The hot path: keep it flat (no helper coroutine, no per-handler checkpoint).
         t = perf_counter()
-        for sub, fn, is_async, filtered in route.entries:
+        for sub, fn, is_async, filtered, every in route.entries:
             if not sub.active:
                 continue
+            if every:  # a numbered step off the subscriber's cadence: skipped (see Route)
+                step = event.global_step  # type: ignore[attr-defined]
+                if step and (step + 1) % every:
+                    continue
             try:
                 if filtered and not sub.accepts(event, t):
                     continue
@@ -668,7 +675,7 @@ class HookBus:
             self._end_published = True
         route = self._routes.get(type(event)) or self._route(type(event))
         t = perf_counter()
-        for sub, fn, is_async, filtered in route.entries:
+        for sub, fn, is_async, filtered, _ in route.entries:
             if not sub.active:
                 continue
             if reached is not None:
@@ -787,6 +794,14 @@ class HookBus:
     @property
     def stop_reason(self) -> str | None:
         return self._stop_reason
+
+    @property
+    def steps_done(self) -> int | None:
+        """The training steps completed as of the latest training ``AfterStep`` published on
+        this bus (its ``global_step + 1``), ``None`` before the first: what a hook acting
+        every ``n`` steps (``Filters(every_step=n)``) knows at ``End`` without being called
+        on every step."""
+        return self._steps_done
 
     @property
     def stopping(self) -> anyio.Event:

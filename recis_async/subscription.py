@@ -163,6 +163,7 @@ class Subscription:
         "on_error",
         "priority",
         "seq",
+        "step_every",
         "total_s",
     )
 
@@ -189,6 +190,18 @@ class Subscription:
         self.filtered = filters is not None
         every_step = None if filters is None else filters.every_step
         self._cadence = None if every_step is None else StepCadence(every_step)
+        # ``every_step=n`` (n > 1) with no filter that counts occurrences: the bus skips a
+        # numbered step off the cadence before calling :meth:`accepts` (see ``Route``)
+        self.step_every = (
+            every_step
+            if filters is not None
+            and every_step is not None
+            and every_step > 1
+            and filters.every is None
+            and filters.once is None
+            and not filters.first
+            else 0
+        )
         self.active = True
         self.count = 0
         self.last_fired = -math.inf

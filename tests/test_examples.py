@@ -17,7 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # the checkout first, then whatever the caller's path holds (packages installed there)
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
     for key in [k for k in env if k.startswith("ODPS_")]:
         del env[key]  # the Parquet default, whatever the machine has set
     return subprocess.run(

@@ -164,3 +164,51 @@ async def test_first_then_every_nth_step() -> None:
                 await bus.publish(AfterStep(global_step=g))
     assert fired["fresh"] == [0, 2, 5, 8, 11]
     assert fired["resumed"] == [7, 8, 11]
+
+
+@pytest.mark.anyio
+async def test_a_step_cadence_skips_the_other_steps_without_asking_its_filters() -> None:
+    """``every_step=n`` alone (or with ``when``): the numbered steps off the cadence are
+    passed over before the filters run (``when`` is not asked, no call is counted), and the
+    steps it fires on are those the filters would pick.  A filter counting occurrences
+    (``first``) keeps every step going through the filters."""
+    asked: list[int] = []
+    fired: dict[str, list[int]] = {"cadence": [], "first": []}
+
+    def when(event: AfterStep) -> bool:
+        asked.append(event.global_step)
+        return event.is_train
+
+    async with HookBus(handle_signals=False) as bus:
+        cadence = bus.subscribe(
+            AfterStep, lambda e: fired["cadence"].append(e.global_step), every_step=4, when=when
+        )
+        bus.subscribe(
+            AfterStep, lambda e: fired["first"].append(e.global_step), every_step=4, first=True
+        )
+        for g in range(10):
+            await bus.publish(AfterStep(global_step=g))
+        await bus.publish(AfterStep(global_step=7, is_train=False))  # refused by when
+        assert fired == {"cadence": [3, 7], "first": [0, 3, 7, 7]}
+        assert asked == [0, 3, 7, 7]  # step 0 is asked: it may be a loop that numbers none
+        assert bus.stats()["subscribers"][cadence.name]["calls"] == 2
+
+
+@pytest.mark.anyio
+async def test_a_step_cadence_in_a_loop_that_numbers_no_step_counts_calls() -> None:
+    """Every step says ``global_step=0``: no step is skipped early, the filters count them."""
+    fired: list[int] = []
+    async with HookBus(handle_signals=False) as bus:
+        bus.subscribe(AfterStep, lambda e: fired.append(len(fired)), every_step=3)
+        for _ in range(7):
+            await bus.publish(AfterStep())
+    assert len(fired) == 2
+
+
+@pytest.mark.anyio
+async def test_steps_done_follows_the_training_steps() -> None:
+    async with HookBus(handle_signals=False) as bus:
+        assert bus.steps_done is None
+        await bus.publish(AfterStep(global_step=4))
+        await bus.publish(AfterStep(global_step=9, is_train=False))  # evaluation: not counted
+        assert bus.steps_done == 5

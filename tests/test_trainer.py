@@ -268,8 +268,9 @@ def published_names(bus: HookBus) -> list[str]:
 
 
 async def test_step_events_nobody_receives_are_not_published() -> None:
-    """AfterData, AfterBackward and the optimizer-step events reach their subscribers, with
-    their step's fields; with none, the trainer does not build or publish them."""
+    """BeforeStep, AfterData, AfterBackward and the optimizer-step events reach their
+    subscribers, with their step's fields; with none (the default hooks subscribe to none of
+    them), the trainer does not build or publish them."""
     trainer, _ = make(batches(3), Recorder())
     trainer.hooks = [h for h in trainer.hooks if not isinstance(h, Recorder)]
     backward: list[int] = []
@@ -278,7 +279,7 @@ async def test_step_events_nobody_receives_are_not_published() -> None:
         trainer.bus = bus
         assert not bus.has_subscribers(AfterBackward)
         await trainer.train()
-        steps = ["BeforeStep", "AfterStep"] * 3 + ["BeforeStep", "OutOfData"]
+        steps = ["AfterStep"] * 3 + ["OutOfData"]
         assert published == ["Start", "BeforeEpoch", *steps, "AfterTrain", "AfterEpoch"]
         published.clear()
         with bus.subscribe(AfterBackward, lambda e: backward.append(e.global_step)):
@@ -308,7 +309,6 @@ async def test_a_before_step_nobody_receives_is_not_published_yet_the_bus_acts_o
     stray = Stray()
     trainer, _ = make(batches(2), Recorder(), eval_data=batches(1))
     trainer.hooks = [stray]
-    trainer.logger_hook = None
     async with HookBus() as bus:
         published = published_names(bus)
         trainer.bus = bus
@@ -336,7 +336,6 @@ async def test_a_failure_waiting_at_a_step_boundary_is_raised_before_the_next_st
         hooks=[ServiceFailsAfterFirstStep()],
         dense_optimizers=(torch.optim.SGD(model.parameters(), lr=0.05), None),
     )
-    trainer.logger_hook = None
     with pytest.raises(HookError, match="the disk is full"):
         await trainer.train()
     assert model.calls == 1

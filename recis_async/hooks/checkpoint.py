@@ -35,7 +35,7 @@ from ..events import AfterLoadCheckpoint, AfterStep, BeforeSaveCheckpoint, End
 from ..hook import Hook
 from ..priority import Priority
 from ..service import yield_to_services
-from ..subscription import StepCadence
+from ..subscription import Filters, is_train
 
 if TYPE_CHECKING:
     from ..bus import HookBus
@@ -183,11 +183,12 @@ class CheckpointSaverHook(Hook):
         self.barrier_timeout = float(barrier_timeout)
         self._bus: HookBus | None = None
         self._writer: CheckpointWriter | None = None
-        self._cadence = None if save_steps is None else StepCadence(save_steps)
-        self._last_step: int | None = None  # completed steps at the latest training AfterStep
+        if save_steps is not None:  # the bus calls after_step at the save steps only
+            self.subscription_filters = {
+                "after_step": Filters(every_step=save_steps, when=is_train)
+            }
         self._last_saved: int | None = None
         self._last_time = 0.0
-        self._prewarmed = False
 
     @property
     def state_key(self) -> str:
@@ -203,11 +204,8 @@ class CheckpointSaverHook(Hook):
         if self._writer is not None and not self._writer.finished.is_set():
             raise RuntimeError(f"{self!r} is already attached to a bus that is still open")
         self._bus = bus
-        self._last_step = self._last_saved = None
+        self._last_saved = None
         self._last_time = time.monotonic()
-        self._prewarmed = False
-        if self.save_steps is not None:
-            self._cadence = StepCadence(self.save_steps)
         if bus.rank != 0:
             return  # other ranks only meet rank 0 at the barrier of each save
         remove_stale_temporaries(self.output_dir)
@@ -215,31 +213,36 @@ class CheckpointSaverHook(Hook):
             self.output_dir, self.max_to_keep, self.writer_nice, self.reuse_buffers
         )
         bus.start_service(self._writer)
+        if self.reuse_buffers:  # the optimizer state exists from the first step on
+            bus.subscribe(AfterStep, self._prewarm, once=1, when=is_train, priority=Priority.LOWEST)
 
     def after_step(self, event: AfterStep) -> Awaitable[None] | None:
-        """Sync; the save (a coroutine) at a save step."""
-        if not event.is_train:
-            return None
-        step = self._last_step = event.global_step + 1
-        if self._cadence is not None:
-            due = self._cadence.due(event)
-        elif self.save_secs is not None:
+        """Sync; the save (a coroutine) at a save step.  With ``save_steps`` the bus calls it
+        at the training steps of that cadence only (``subscription_filters``), not on every
+        step; with ``save_secs`` on every step, to look at the clock."""
+        if self.save_steps is not None:
+            due = True
+        elif self.save_secs is not None and event.is_train:
             due = time.monotonic() - self._last_time >= self.save_secs
         else:
-            due = False
+            return None
+        step = event.global_step + 1
         if due and step != self._last_saved:
             return self._save(step)
-        if not self._prewarmed and self.reuse_buffers and self._writer is not None:
-            self._prewarmed = True  # the optimizer state exists from the first step on
+        return None
+
+    def _prewarm(self, event: AfterStep) -> None:
+        """Lay out the write buffers of the first save after the first training step, unless
+        that step saved (its write comes first; it keeps its buffers for the next)."""
+        if self._writer is not None and self._last_saved != event.global_step + 1:
             layout: Layout = {}
             seen: set[tuple[Any, ...]] = set()
             for where, state in self._own_states():
                 layout_of(state, where, layout, seen)
             self._writer.prewarm(layout)
-        return None
 
     async def end(self, event: End) -> None:
-        step = self._last_step
+        step = self._require_bus().steps_done
         if step is None:
             return
         if event.status not in _SAVE_AT_END:

@@ -7,14 +7,18 @@ from a checkpoint logs at the same steps as one never stopped; evaluation lines 
 
 ``<mode=train> <gstep=..> <lstep=..> <qps=..> <sps=..> <loss=..> ...``: ``qps`` is samples/s
 and ``sps`` steps/s, measured on a monotonic clock over the steps since the previous line of
-the same mode.  The first window opens at the first step (its ``BeforeStep`` when published,
-else its ``AfterStep``), not when the hook is built.  Training and evaluation keep separate
+the same mode.  The hook subscribes to ``AfterStep`` only (a ``BeforeStep`` subscriber would
+cost every step a publish), so it times a step from the end of the one before: the first step
+of a run, and the first after a switch between training and evaluation, open their window
+(at their end) and are not counted in its rate.  Training and evaluation keep separate
 counters, and a window only counts the time spent in its own mode, so an evaluation in the
-middle of training does not lower the training rate.  Each ``AfterEval`` gets one summary
-line, ``<mode=eval_summary> <gstep=..> <steps=..> <loss=..> ...``, with the pass's aggregated
-metrics, and the eval counters start again for the next evaluation.  ``<lstep=..>`` is the
-event's ``local_step``; a loop that never passes one (every step says 0) gets the hook's own
-count of the steps of that mode instead, as RecIS's LoggerHook counts.
+middle of training (and the idle time around it) does not lower the training rate.  A line
+whose window timed no step yet (``log_step=1``, its first line) shows ``nan`` rates.  Each
+``AfterEval`` gets one summary line, ``<mode=eval_summary> <gstep=..> <steps=..> <loss=..>
+...``, with the pass's aggregated metrics, and the eval counters start again for the next
+evaluation.  ``<lstep=..>`` is the event's ``local_step``; a loop that never passes one
+(every step says 0) gets the hook's own count of the steps of that mode instead, as RecIS's
+LoggerHook counts.
 
 When a line is written: at its step when the step's metrics are numbers.  Metrics recorded as
 tensors (``add_metric("loss", loss)`` on any device) are not read on the step: at the log step
@@ -40,7 +44,7 @@ import numpy as np
 
 from .. import dist
 from .._checks import boolean, logger_or, positive_int, positive_number
-from ..events import AfterEval, AfterStep, BeforeStep
+from ..events import AfterEval, AfterStep
 from ..hook import Hook
 from ..reads import ReadQueue
 from ..subscription import StepCadence
@@ -149,12 +153,6 @@ class LoggerHook(Hook):
         self._window = window = self._windows[is_train]
         return window
 
-    def before_step(self, event: BeforeStep) -> None:
-        is_train = event.is_train
-        window = self._window if is_train is self._mode else self._enter(is_train)
-        if window.seg_start is None:  # the segment starts with this step
-            window.seg_start = self._clock()
-
     def after_step(self, event: AfterStep) -> Awaitable[None] | None:
         """Sync; a coroutine only at a log step whose line waits for reads (tensor values, or
         earlier lines still being read) or for the all-reduce."""
@@ -162,8 +160,7 @@ class LoggerHook(Hook):
         is_train = event.is_train
         window = self._window if is_train is self._mode else self._enter(is_train)
         if window.seg_start is None:
-            # No BeforeStep opened the window: this step's start is unknown, so it opens the
-            # window and is not timed.
+            # the segment's first step: its start is unknown, so it opens the window untimed
             window.seg_start = now
         else:
             window.steps += 1

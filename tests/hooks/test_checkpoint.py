@@ -716,3 +716,17 @@ def test_a_tensorflow_style_positional_save_secs_is_refused(tmp_path: Path) -> N
     ):
         CheckpointSaverHook(tmp_path, 600, model=torch.nn.Linear(1, 1))
     assert not any(tmp_path.iterdir())
+
+
+async def test_with_save_steps_the_hook_is_called_at_its_save_steps_only(tmp_path: Path) -> None:
+    """The bus passes over the other steps (the hook costs them nothing), and the save at End
+    still holds the last step, which the hook never saw: the bus counts the steps."""
+    model, opt, sched = parts()
+    saver = CheckpointSaverHook(tmp_path, save_steps=4, model=model, optimizer=opt)
+    async with HookBus() as bus:
+        bus.add_hook(saver)
+        await train_steps(bus, model, opt, sched, data(10))
+        assert bus.stats()["subscribers"]["CheckpointSaverHook.after_step"]["calls"] == 2
+    steps = [step for step, _ in list_checkpoints(str(tmp_path))]
+    assert steps[0] == 4 and steps[-1] == 10  # (8 may give way to 10, queued behind it)
+    assert torch.load(checkpoint_path(str(tmp_path), 10), weights_only=False)["global_step"] == 10
