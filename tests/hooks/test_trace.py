@@ -563,9 +563,11 @@ async def test_the_close_deadline_abandons_slow_uploads_and_spills_them(
 async def test_a_commit_under_way_at_the_deadline_is_waited_for_not_spilled(
     server: OdpsServer, tmp_path: Path
 ) -> None:
-    server.inject("commit", "slow:1.0")
+    # The deadline leaves the close's upload time to reach the commit on a loaded machine (at
+    # 0.5 s it sometimes had not, and the rows were spilled); the commit ends after it.
+    server.inject("commit", "slow:3.0")
     hook = odps_hook(server, tmp_path, size_threshold=10**9)
-    async with HookBus(flush_timeout=0.5) as bus:  # the commit ends after the deadline
+    async with HookBus(flush_timeout=2.0) as bus:
         bus.add_hook(hook)
         await run_steps(bus, range(3))
     assert odps_ids(server) == list(range(3 * ROWS))
