@@ -612,8 +612,6 @@ class HookBus:
         kind = route.kind
         if kind:
             if kind == KIND_AFTER_STEP:
-                if event.is_train:
-                    self._steps_done = event.global_step + 1  # type: ignore[attr-defined]
                 collector = self._collector
                 if collector.metrics or collector.trace or collector.tracked:
                     event = self._with_collected(event)  # type: ignore[arg-type]
@@ -658,6 +656,10 @@ class HookBus:
             if elapsed > sub.max_s:
                 sub.max_s = elapsed
             t = now
+        if kind == KIND_AFTER_STEP and event.is_train:
+            # every subscriber has run (a failure raised above): the step is done, for a save
+            # at End that must hold no step a trace writer did not receive
+            self._steps_done = event.global_step + 1  # type: ignore[attr-defined]
         if self._services and t - self._last_yield > _YIELD_EVERY_S:
             self._last_yield = t
             await yield_to_services()
@@ -797,8 +799,9 @@ class HookBus:
 
     @property
     def steps_done(self) -> int | None:
-        """The training steps completed as of the latest training ``AfterStep`` published on
-        this bus (its ``global_step + 1``), ``None`` before the first: what a hook acting
+        """The training steps completed as of the latest training ``AfterStep`` whose every
+        subscriber ran (its ``global_step + 1``; a publish that raised does not count it),
+        ``None`` before the first: what a hook acting
         every ``n`` steps (``Filters(every_step=n)``) knows at ``End`` without being called
         on every step."""
         return self._steps_done

@@ -220,16 +220,14 @@ class CheckpointSaverHook(Hook):
         """Sync; the save (a coroutine) at a save step.  With ``save_steps`` the bus calls it
         at the training steps of that cadence only (``subscription_filters``), not on every
         step; with ``save_secs`` on every step, to look at the clock."""
-        if self.save_steps is not None:
-            due = True
-        elif self.save_secs is not None and event.is_train:
-            due = time.monotonic() - self._last_time >= self.save_secs
-        else:
+        if self.save_steps is None and (
+            self.save_secs is None
+            or not event.is_train
+            or time.monotonic() - self._last_time < self.save_secs
+        ):
             return None
         step = event.global_step + 1
-        if due and step != self._last_saved:
-            return self._save(step)
-        return None
+        return self._save(step) if step != self._last_saved else None
 
     def _prewarm(self, event: AfterStep) -> None:
         """Lay out the write buffers of the first save after the first training step, unless

@@ -730,3 +730,23 @@ async def test_with_save_steps_the_hook_is_called_at_its_save_steps_only(tmp_pat
     steps = [step for step, _ in list_checkpoints(str(tmp_path))]
     assert steps[0] == 4 and steps[-1] == 10  # (8 may give way to 10, queued behind it)
     assert torch.load(checkpoint_path(str(tmp_path), 10), weights_only=False)["global_step"] == 10
+
+
+async def test_the_save_at_end_holds_no_step_whose_after_step_failed(tmp_path: Path) -> None:
+    """A subscriber ahead of the saver fails on step 3's AfterStep and the loop goes on to a
+    clean end: the save at End holds 3 steps, not 4, so a resumed run repeats step 3 and a
+    trace writer that never received it gets its rows then."""
+
+    class FailsAtStep3(Hook):
+        def after_step(self, event: AfterStep) -> None:
+            if event.global_step == 3:
+                raise OSError("the disk is full")
+
+    model, opt, sched = parts()
+    async with HookBus() as bus:
+        bus.add_hook(FailsAtStep3())
+        bus.add_hook(CheckpointSaverHook(tmp_path, save_steps=100, model=model, optimizer=opt))
+        with pytest.raises(HookError, match="the disk is full"):
+            await train_steps(bus, model, opt, sched, data(6))
+        assert bus.steps_done == 3
+    assert [step for step, _ in list_checkpoints(str(tmp_path))] == [3]
