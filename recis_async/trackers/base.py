@@ -70,7 +70,13 @@ class Tracker(Protocol):
         ...
 
     def log(self, records: Sequence[StepRecord]) -> None:
-        """Store the records; return only when they are handed to the backing store."""
+        """Store the records; return only when they are handed to the backing store.
+
+        A failure may say how much landed, as attributes of the exception it raises:
+        ``delivered`` (an int: that many leading records were stored) or ``in_doubt``
+        (true: the call was cut off with no answer, so any of them may have been stored).
+        The service spills records in doubt apart (``*.inflight.jsonl``); the replay
+        settles them against the store either way."""
         ...
 
     def finish(self, status: EndStatus) -> None:

@@ -494,8 +494,9 @@ class TrackerService:
                 kept = kept if type(kept) is int and 0 < kept <= len(batch) else 0
                 self._counts["logged"] += kept
                 batch = batch[kept:]
+                doubt = ".inflight" if getattr(exc, "in_doubt", False) is True else ""
                 if self.on_error == "log":
-                    await self._spill(batch)
+                    await self._spill(batch, doubt)
                     self._clear_inflight()
                     log_failure(
                         logger,
@@ -507,7 +508,7 @@ class TrackerService:
                         self._spill_text(),
                     )
                     continue
-                await self._give_up(exc, "log", batch)
+                await self._give_up(exc, "log", batch, doubt)
                 self._clear_inflight()
                 if self.on_error == "raise":
                     raise TrackerError(f"{self.name}: tracker.log failed: {exc!r}") from exc
@@ -553,19 +554,25 @@ class TrackerService:
         self._inflight, self._inflight_bytes = [], 0
         self._notify()
 
-    async def _give_up(self, exc: Exception, call: str, failed: Sequence[Any] = ()) -> None:
-        """The tracker is unusable: stop accepting records, then keep the failed batch and
-        what is buffered safe.  The state changes before the first await, so no record
-        published after the failure was counted can slip into the buffer."""
+    async def _give_up(
+        self, exc: Exception, call: str, failed: Sequence[StepRecord] = (), doubt: str = ""
+    ) -> None:
+        """The tracker is unusable: stop accepting records, then keep the failed batch
+        (spilled with the suffix ``doubt`` when its delivery is unknown) and what is
+        buffered safe.  The state changes before the first await, so no record published
+        after the failure was counted can slip into the buffer."""
         if self.on_error == "raise":
             self._failure = exc
         else:
             self._disabled = True
-        rest = [*failed, *(record for record, _ in self._pending)]
+        rest = [record for record, _ in self._pending]
         self._pending.clear()
         self._pending_bytes = 0
-        if rest:
-            await self._spill(rest)
+        if doubt:
+            await self._spill(list(failed), doubt)
+        else:
+            rest[:0] = failed
+        await self._spill(rest)
         if self.on_error != "raise":
             logger.error(
                 "%s: tracker.%s failed; tracking is disabled, buffered records are in %s and "

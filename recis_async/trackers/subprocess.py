@@ -161,13 +161,22 @@ def _serve(conn: Connection, factory_pickle: bytes) -> bool:
         conn.close()
 
 
+def _in_doubt(exc: Exception) -> Exception:
+    """Mark a call's failure as leaving its records in doubt: the child may have stored them
+    and died (or hung) before it answered."""
+    exc.in_doubt = True  # type: ignore[attr-defined]
+    return exc
+
+
 class SubprocessTracker:
     """A :class:`~recis_async.trackers.Tracker` that runs ``factory()`` in a child process.
 
     A child that died (killed, out of memory) is started again, at most ``max_restarts``
     times, by the next ``log`` or ``finish``, continuing the same run; the call that saw it
-    die fails (its records are kept by the service).  :meth:`abort` kills the child from any
-    thread (the service does at its close deadline), so no call outlives the close.
+    die fails with ``in_doubt`` set on its error: the child may have stored the records
+    before it died, so the service spills them apart for the replay to settle.
+    :meth:`abort` kills the child from any thread (the service does at its close
+    deadline), so no call outlives the close.
 
     Args:
         factory: builds the tracker in the child; a picklable callable defined in an importable
@@ -313,12 +322,16 @@ class SubprocessTracker:
             proc = self._proc
             self._stop()
             code = None if proc is None else proc.returncode
-            raise RuntimeError(
-                f"{self!r}: the tracker process is gone during {call.op} (exit code {code})"
+            raise _in_doubt(
+                RuntimeError(
+                    f"{self!r}: the tracker process is gone during {call.op} (exit code {code})"
+                )
             ) from exc
         if reply is None:  # the child hangs: kill it now rather than wait for it to exit
             self._stop(kill=True)
-            raise TimeoutError(f"{self!r}: {call.op} got no answer in {self.call_timeout}s")
+            raise _in_doubt(
+                TimeoutError(f"{self!r}: {call.op} got no answer in {self.call_timeout}s")
+            )
         if not reply.ok:
             raise RuntimeError(f"{self!r}: {call.op} failed in the tracker process: {reply.error}")
         if reply.run_id is not None:

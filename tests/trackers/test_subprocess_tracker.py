@@ -24,6 +24,7 @@ from recis_async.trackers import (
     SubprocessTracker,
     read_records,
 )
+from recis_async.trackers.replay import replay_file
 
 
 class RefusingTracker(JsonlTracker):
@@ -44,6 +45,16 @@ class HangingTracker(JsonlTracker):
         if any(r.step == 777 for r in records):
             time.sleep(120)
         super().log(records)
+
+
+class StoreThenDieTracker(JsonlTracker):
+    """Stores a batch holding step 555, then dies before answering (module level: the child
+    imports it): the parent cannot tell such a batch from one the child never took."""
+
+    def log(self, records: Sequence[StepRecord]) -> None:
+        super().log(records)
+        if any(r.step == 555 for r in records):
+            os._exit(9)
 
 
 class UnstartableTracker(JsonlTracker):
@@ -155,11 +166,15 @@ def test_child_errors_and_death_become_errors_here(tmp_path: Path) -> None:
     tracker.log([StepRecord(1, 0.0, {"x": 1.0})])
     with pytest.raises(
         RuntimeError, match="log failed in the tracker process: PermissionError: token expired"
-    ):
+    ) as refused:
         tracker.log([StepRecord(100, 0.0, {"x": 1.0})])
+    assert not hasattr(refused.value, "in_doubt")  # the child answered: nothing stored
     tracker.log([StepRecord(2, 0.0, {"x": 2.0})])  # the child survives a failed call
-    with pytest.raises(RuntimeError, match=r"tracker process is gone during log \(exit code 3\)"):
+    with pytest.raises(
+        RuntimeError, match=r"tracker process is gone during log \(exit code 3\)"
+    ) as gone:
         tracker.log([StepRecord(666, 0.0, {"x": 1.0})])
+    assert gone.value.in_doubt is True  # type: ignore[attr-defined]
     assert [r.step for r in read_records(_run_dir(tmp_path) / "metrics.jsonl")] == [1, 2]
 
 
@@ -172,8 +187,9 @@ def test_a_hung_child_is_a_timeout_and_is_killed_at_once(tmp_path: Path) -> None
     proc = tracker._proc
     assert proc is not None
     started = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"log got no answer in 1.0s"):
+    with pytest.raises(TimeoutError, match=r"log got no answer in 1.0s") as hung:
         tracker.log([StepRecord(777, 0.0, {"x": 1.0})])
+    assert hung.value.in_doubt is True  # type: ignore[attr-defined]
     assert time.monotonic() - started < 6
     assert proc.returncode is not None  # reaped: no zombie, no orphan still sleeping
 
@@ -246,3 +262,51 @@ async def test_child_failure_follows_on_error_raise(tmp_path: Path) -> None:
     delivered = read_records(_run_dir(tmp_path / "runs") / "metrics.jsonl")
     spilled = read_records(hook.service.spill_path)
     assert sorted(r.step for r in delivered + spilled) == list(range(98, 103))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("on_error", ["log", "raise"])
+async def test_a_batch_the_child_stored_before_dying_is_spilled_in_doubt(
+    tmp_path: Path, on_error: str
+) -> None:
+    """The child stored the batch of step 555 and died before it answered: that batch is
+    spilled as in doubt (``*.inflight.jsonl``), never as unsent, so no file claims a stored
+    record was lost; the replay settles the files and each step is stored once."""
+    root, spill = tmp_path / "runs", tmp_path / "spill"
+    hook = MLTrackerHook(
+        "p",
+        "n",
+        tracker=SubprocessTracker(functools.partial(StoreThenDieTracker, root)),
+        flush_interval=0,
+        spill_dir=spill,
+        on_error=on_error,  # type: ignore[arg-type]
+    )
+    published: list[int] = []
+    try:
+        async with HookBus() as bus:
+            bus.add_hook(hook)
+            for step in range(550, 562):
+                await bus.publish(AfterStep(global_step=step, tracked={"loss": step / 10}))
+                published.append(step)
+                if step == 555:
+                    await hook.flush()  # the batch holding 555 is answered (or not) now
+    except HookError:
+        assert on_error == "raise"
+    else:
+        assert on_error == "log"
+    stored = [r.step for r in read_records(_run_dir(root) / "metrics.jsonl")]
+    in_doubt = [r.step for p in spill.glob("*.inflight.jsonl") for r in read_records(p)]
+    unsent = [
+        r.step
+        for p in spill.glob("*.jsonl")
+        if not p.name.endswith(".inflight.jsonl")
+        for r in read_records(p)
+    ]
+    assert 555 in stored and 555 in in_doubt  # stored, and its delivery was unknown here
+    assert len(stored) == len(set(stored)) and not set(stored) & set(unsent)
+    assert sorted(set(stored) | set(unsent) | set(in_doubt)) == published
+    if on_error == "log":  # the child was started again for the later steps
+        assert set(range(556, 562)) <= set(stored)
+    for file in sorted(spill.glob("*.jsonl")):
+        replay_file(file, root=root)
+    assert sorted(r.step for r in read_records(_run_dir(root) / "metrics.jsonl")) == published
