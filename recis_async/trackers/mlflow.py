@@ -207,6 +207,9 @@ class MlflowClientTracker:
             error = RuntimeError(
                 f"MlflowTracker: {type(exc).__name__}: {exc}".replace(secret, "***")
             )
+            for attr in ("in_doubt", "delivered"):  # how much landed: see Tracker.log
+                if hasattr(exc, attr):
+                    setattr(error, attr, getattr(exc, attr))
         # Raised outside the handler so the original is not even its __context__.
         raise error
 
@@ -333,8 +336,13 @@ class MlflowClientTracker:
         if metrics and self._continued and not self._logged:
             metrics = self._skip_stored(metrics, min(record.step for record in records))
         self._logged = True
-        for request in metric_requests(metrics):
-            self._client.log_batch(self.run_id, metrics=request, synchronous=True)
+        for sent, request in enumerate(metric_requests(metrics)):
+            try:
+                self._client.log_batch(self.run_id, metrics=request, synchronous=True)
+            except Exception as exc:
+                if sent:  # earlier requests of these records are stored: a replay settles them
+                    exc.in_doubt = True  # type: ignore[attr-defined]
+                raise
         if arrays:
             self._spool_arrays(arrays)
 

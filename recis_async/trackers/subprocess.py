@@ -78,6 +78,9 @@ class _Reply(msgspec.Struct, array_like=True):
     ok: bool
     error: str = ""
     run_id: str | None = None  # the child tracker's ``run_id`` after start, if it has one
+    # how much of a failed log landed, as the child's error said (see Tracker.log)
+    in_doubt: bool = False
+    delivered: int = 0
 
 
 #: What the child runs: argv[1] is its end of the socket pair, argv[2] the parent's sys.path.
@@ -150,7 +153,14 @@ def _serve(conn: Connection, factory_pickle: bytes) -> bool:
                     tracker.finish(call.status)
             except Exception as exc:
                 text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-                conn.send_bytes(encoder.encode(_Reply(False, text)))
+                delivered = getattr(exc, "delivered", 0)
+                reply = _Reply(
+                    False,
+                    text,
+                    in_doubt=getattr(exc, "in_doubt", False) is True,
+                    delivered=delivered if type(delivered) is int else 0,
+                )
+                conn.send_bytes(encoder.encode(reply))
             else:
                 run_id = getattr(tracker, "run_id", None)
                 reply = _Reply(True, run_id=run_id if isinstance(run_id, str) else None)
@@ -174,7 +184,9 @@ class SubprocessTracker:
     A child that died (killed, out of memory) is started again, at most ``max_restarts``
     times, by the next ``log`` or ``finish``, continuing the same run; the call that saw it
     die fails with ``in_doubt`` set on its error: the child may have stored the records
-    before it died, so the service spills them apart for the replay to settle.
+    before it died, so the service spills them apart for the replay to settle.  A failure
+    the child's tracker reported keeps what it said of how much landed (``delivered``,
+    ``in_doubt``: see :meth:`Tracker.log <recis_async.trackers.Tracker.log>`).
     :meth:`abort` kills the child from any thread (the service does at its close
     deadline), so no call outlives the close.
 
@@ -333,7 +345,14 @@ class SubprocessTracker:
                 TimeoutError(f"{self!r}: {call.op} got no answer in {self.call_timeout}s")
             )
         if not reply.ok:
-            raise RuntimeError(f"{self!r}: {call.op} failed in the tracker process: {reply.error}")
+            error = RuntimeError(
+                f"{self!r}: {call.op} failed in the tracker process: {reply.error}"
+            )
+            if reply.in_doubt:
+                _in_doubt(error)
+            if reply.delivered:
+                error.delivered = reply.delivered  # type: ignore[attr-defined]
+            raise error
         if reply.run_id is not None:
             self.run_id = reply.run_id
 

@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import anyio
 import numpy as np
 import pytest
 
@@ -55,6 +56,19 @@ class StoreThenDieTracker(JsonlTracker):
         super().log(records)
         if any(r.step == 555 for r in records):
             os._exit(9)
+
+
+class PrefixTracker(JsonlTracker):
+    """Stores only the first 3 records of a batch holding step 888 and says so, as
+    ``JsonlTracker`` does when a full disk cuts a write it cannot take back (module level)."""
+
+    def log(self, records: Sequence[StepRecord]) -> None:
+        if any(r.step == 888 for r in records):
+            super().log(records[:3])
+            error = OSError(28, "No space left on device")
+            error.delivered = 3  # type: ignore[attr-defined]
+            raise error
+        super().log(records)
 
 
 class UnstartableTracker(JsonlTracker):
@@ -310,3 +324,73 @@ async def test_a_batch_the_child_stored_before_dying_is_spilled_in_doubt(
     for file in sorted(spill.glob("*.jsonl")):
         replay_file(file, root=root)
     assert sorted(r.step for r in read_records(_run_dir(root) / "metrics.jsonl")) == published
+
+
+@pytest.mark.anyio
+async def test_a_batch_mlflow_stored_in_part_is_spilled_in_doubt(tmp_path: Path) -> None:
+    """A batch MLflow takes in two requests, the second refused: the first request's points
+    are stored, so the child's error says the batch is in doubt and the service spills it
+    apart (``*.inflight.jsonl``), not as unsent; a batch refused whole is not in doubt."""
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    from recis_async.trackers import TrackerService
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = MlflowTracker(uri, artifact_location=str(tmp_path / "art"))  # a SubprocessTracker
+    service = TrackerService(
+        tracker,
+        RunSpec(project="p", name="n"),
+        flush_interval=0,
+        on_error="log",
+        spill_dir=tmp_path / "spill",
+    )
+    refused = {"k" * 300: 1.0}  # MLflow refuses a name over 250 characters (ours never pass)
+    first = [StepRecord(s, 1000.0 + s, {"loss": s / 10}) for s in range(1000)]  # one request
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(service.run)
+        assert await service.wait_started()
+        await service.put(StepRecord(0, 999.0, refused))  # refused whole: nothing landed
+        await service.flush()
+        for record in [*first, StepRecord(1000, 2000.0, refused)]:
+            assert service.put_nowait(record, 64)
+        await service.flush()
+        await service.aclose(anyio.current_time() + 30)
+    spill = tmp_path / "spill"
+    (unsent,) = [p for p in spill.glob("*.jsonl") if not p.name.endswith(".inflight.jsonl")]
+    (in_doubt,) = spill.glob("*.inflight.jsonl")
+    assert [(r.step, list(r.values)) for r in read_records(unsent)] == [(0, list(refused))]
+    assert [r.step for r in read_records(in_doubt)] == list(range(1001))
+    assert service.run_id is not None
+    history = MlflowClient(uri).get_metric_history(service.run_id, "loss")
+    assert sorted(m.step for m in history) == list(range(1000))  # the first request's, once
+
+
+@pytest.mark.anyio
+async def test_the_stored_prefix_a_child_reports_is_neither_spilled_nor_lost(
+    tmp_path: Path,
+) -> None:
+    """The child's tracker stored 3 records of a batch and said so (``delivered``): the
+    parent counts those delivered and spills only the rest."""
+    from recis_async.trackers import TrackerService
+
+    root = tmp_path / "runs"
+    service = TrackerService(
+        SubprocessTracker(functools.partial(PrefixTracker, root)),
+        RunSpec(project="p", name="n"),
+        flush_interval=0,
+        on_error="log",
+        spill_dir=tmp_path / "spill",
+    )
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(service.run)
+        assert await service.wait_started()
+        for step in range(880, 890):
+            assert service.put_nowait(StepRecord(step, float(step), {"x": 1.0}), 64)
+        await service.flush()
+        await service.aclose(anyio.current_time() + 30)
+    stored = [r.step for r in read_records(_run_dir(root) / "metrics.jsonl")]
+    spilled = [r.step for p in service.spill_files for r in read_records(p)]
+    assert stored == [880, 881, 882] and spilled == list(range(883, 890))
+    assert not any(p.name.endswith(".inflight.jsonl") for p in service.spill_files)
+    assert service.stats()["logged"] == 3
