@@ -34,7 +34,7 @@ from ._checks import on_error as check_on_error
 from .collect import StepCollector
 from .console import TRACEBACKS_LOGGED, log_failure
 from .errors import HookError, OnError
-from .events import LIFECYCLE, AfterStep, End, Error, Event, method_name
+from .events import LIFECYCLE, AfterStep, BeforeStep, End, Error, Event, method_name
 from .hook import RESERVED_NAMES, Hook
 from .hostcopy import DEFAULT_HOST_BUFFER_BYTES
 from .priority import Priority, priority_value
@@ -543,8 +543,8 @@ class HookBus:
         """Whether an event of ``event_type`` would reach a subscriber now (one of that type or
         of a base class).  A loop may skip building and publishing an event nobody receives;
         the events the bus itself acts on (``AfterStep``, ``OutOfData``, ``End``) are published
-        whatever this says, and so is ``BeforeStep`` by the loops of users (the library's own
-        loops do the bus's part of one nobody receives without publishing it)."""
+        whatever this says; a ``BeforeStep`` nobody receives costs its publish only the bus's
+        own part of it (see :meth:`publish`)."""
         route = self._routes.get(event_type) or self._route(event_type)
         return bool(route.entries)
 
@@ -576,8 +576,23 @@ class HookBus:
         # coroutine clears the mark when it starts.  One call more per publish, no task.
         if self._unawaited is not None:
             raise self._unawaited_error("publish()")[0]
-        self._unawaited = coro = self._publish(event)
+        if type(event) is BeforeStep and self._begin_unreceived(event):
+            self._unawaited = coro = self._published(event)
+        else:
+            self._unawaited = coro = self._publish(event)
         return coro
+
+    def _begin_unreceived(self, event: BeforeStep) -> bool:
+        """A ``BeforeStep`` no subscriber receives (most hook sets: the logger times steps from
+        ``AfterStep``): the bus's part of it done now, as :meth:`_begin_step`, and true; false
+        where the publish must run (a subscriber, or something to raise or deliver)."""
+        route = self._routes.get(BeforeStep) or self._route(BeforeStep)
+        return not route.entries and self._begin_step(event.is_train)
+
+    async def _published(self, event: Event) -> None:
+        """The publish of ``event``, whose delivery is done already: clears the mark only
+        (``event`` is kept for the error naming a publish never awaited)."""
+        self._unawaited = None
 
     def _unawaited_error(self, where: str) -> tuple[RuntimeError, str]:
         """The error for the publish never awaited, and its event's name."""

@@ -73,7 +73,7 @@ from ._checks import one_of
 from .bus import HookBus
 from .collect import StepCollector
 from .errors import OnError
-from .events import Event
+from .events import BeforeStep, Event
 from .hook import Hook
 from .priority import Priority
 from .service import Service
@@ -557,6 +557,8 @@ class SyncHookBus:
         if not (self._ready and _getcurrent() is self._caller):
             self._publish_switched(event)
             return
+        if type(event) is BeforeStep and self._bus._begin_unreceived(event):
+            return  # nobody receives it: the bus's part of it is done (HookBus.publish)
         # The first step in the caller, in the bus's context: most publishes end in it.
         self._ready = False  # a subscriber publishing in there takes the nested path
         try:

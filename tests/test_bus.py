@@ -410,6 +410,19 @@ async def test_a_publish_never_awaited_is_named_by_the_next_publish() -> None:
     assert [type(e).__name__ for e in seen] == ["AfterStep", "End"]
 
 
+async def test_an_unreceived_before_step_never_awaited_is_named_too() -> None:
+    """A ``BeforeStep`` nobody subscribes to is not published through the subscribers' loop
+    (the bus only does its own part of it), but a missing ``await`` is still reported."""
+    async with HookBus() as bus:
+        assert not bus.has_subscribers(BeforeStep)
+        bus.publish(BeforeStep(global_step=3))  # type: ignore[unused-coroutine]
+        with pytest.raises(
+            RuntimeError,
+            match=r"an earlier publish\(BeforeStep\) was never awaited.*global_step=3",
+        ):
+            await bus.publish(AfterStep(global_step=3))
+
+
 async def test_a_publish_never_awaited_before_leaving_the_bus_is_an_error() -> None:
     with pytest.raises(
         HookError,

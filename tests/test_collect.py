@@ -113,10 +113,18 @@ async def test_collectors_closed_after_the_block() -> None:
             add_metric("late", 1.0)
 
 
-async def test_switching_between_train_and_eval_drops_the_other_kinds_values() -> None:
+@pytest.mark.parametrize("received", [False, True], ids=["unreceived", "received"])
+async def test_switching_between_train_and_eval_drops_the_other_kinds_values(
+    received: bool,
+) -> None:
+    """Whether or not a subscriber receives ``BeforeStep`` (unreceived, its publish does only
+    the bus's part of it)."""
     seen: list[tuple[bool, dict[str, Any]]] = []
+    befores: list[BeforeStep] = []
     async with HookBus() as bus:
         bus.subscribe(AfterStep, lambda e: seen.append((e.is_train, e.metrics)))
+        if received:
+            bus.subscribe(BeforeStep, befores.append)
         await bus.publish(BeforeStep(is_train=True))
         await bus.publish(AfterStep(is_train=True))
         add_metric("from_a_train_hook", 1.0)  # collected after the train step finished
@@ -127,6 +135,7 @@ async def test_switching_between_train_and_eval_drops_the_other_kinds_values() -
         add_metric("next", 3.0)
         await bus.publish(AfterStep(is_train=False))
     assert seen == [(True, {}), (False, {"eval_loss": 2.0}), (False, {"next": 3.0})]
+    assert [b.is_train for b in befores] == ([True, False, False] if received else [])
 
 
 async def test_trace_values_are_private_read_only_copies_and_ragged_lists_work() -> None:

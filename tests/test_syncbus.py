@@ -93,6 +93,53 @@ def test_events_reach_hooks_in_order_with_collected_values(backend: str) -> None
     ]
 
 
+def test_an_unreceived_before_step_still_begins_the_step(backend: str) -> None:
+    """With no ``BeforeStep`` subscriber its publish does only the bus's part: values of the
+    other kind of step are dropped, and a failure waiting at the boundary is still raised."""
+    seen: list[tuple[bool, dict[str, Any]]] = []
+    with sync_bus(backend) as bus:
+        bus.subscribe(AfterStep, lambda e: seen.append((e.is_train, dict(e.metrics))))
+        assert not bus.has_subscribers(BeforeStep)
+        bus.publish(BeforeStep(global_step=0))
+        bus.publish(AfterStep(global_step=0))
+        add_metric("late_train", 1.0)  # collected after the training step ended
+        bus.publish(BeforeStep(is_train=False))
+        add_metric("eval_loss", 2.0)
+        bus.publish(AfterStep(is_train=False))
+        service = _FailsWhenTold()
+        bus.start_service(service)
+
+        async def tell(event: AfterStep) -> None:
+            service.told.set()
+            await anyio.sleep(0.05)  # the loop runs: the service fails meanwhile
+
+        bus.subscribe(AfterStep, tell)
+        bus.publish(AfterStep(global_step=1))
+        with pytest.raises(HookError, match="disk gone"):
+            bus.publish(BeforeStep(global_step=2))
+    assert seen == [(True, {}), (False, {"eval_loss": 2.0}), (True, {})]
+
+
+class _FailsWhenTold:
+    """A background service that fails once told to (a sink losing its disk, say)."""
+
+    name = "fails-when-told"
+
+    def __init__(self) -> None:
+        self.told = threading.Event()
+
+    async def run(self) -> None:
+        while not self.told.is_set():
+            await anyio.sleep(0.005)
+        raise OSError("disk gone")
+
+    async def aclose(self, deadline: float) -> None:
+        pass
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+
 def test_filters_priorities_and_async_subscribers(backend: str) -> None:
     calls: list[str] = []
     with sync_bus(backend) as bus:

@@ -728,7 +728,9 @@ async def test_with_save_steps_the_hook_is_called_at_its_save_steps_only(tmp_pat
         await train_steps(bus, model, opt, sched, data(10))
         assert bus.stats()["subscribers"]["CheckpointSaverHook.after_step"]["calls"] == 2
     steps = [step for step, _ in list_checkpoints(str(tmp_path))]
-    assert steps[0] == 4 and steps[-1] == 10  # (8 may give way to 10, queued behind it)
+    # A snapshot still queued gives way to a newer one (these steps are far shorter than a
+    # write, and the buffers' prewarm may still be running at step 4): 4 and 8 may be gone.
+    assert set(steps) <= {4, 8, 10} and steps[-1] == 10
     assert torch.load(checkpoint_path(str(tmp_path), 10), weights_only=False)["global_step"] == 10
 
 
