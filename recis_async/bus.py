@@ -585,9 +585,12 @@ class HookBus:
     def _begin_unreceived(self, event: BeforeStep) -> bool:
         """A ``BeforeStep`` no subscriber receives (most hook sets: the logger times steps from
         ``AfterStep``): the bus's part of it done now, as :meth:`_begin_step`, and true; false
-        where the publish must run (a subscriber, or something to raise or deliver)."""
+        where the publish must run (a subscriber, something to raise or deliver, or the
+        services' turn to run, which every publish gives them at least every 100 ms)."""
         route = self._routes.get(BeforeStep) or self._route(BeforeStep)
-        return not route.entries and self._begin_step(event.is_train)
+        if route.entries or (self._services and perf_counter() - self._last_yield > _YIELD_EVERY_S):
+            return False
+        return self._begin_step(event.is_train)
 
     async def _published(self, event: Event) -> None:
         """The publish of ``event``, whose delivery is done already: clears the mark only
