@@ -24,6 +24,7 @@ import pyarrow.dataset as ds
 import pytest
 import sniffio
 from terminal import Terminal
+from toy import ServiceFailsAfterFirstStep
 
 from recis_async import (
     Hook,
@@ -106,38 +107,11 @@ def test_an_unreceived_before_step_still_begins_the_step(backend: str) -> None:
         bus.publish(BeforeStep(is_train=False))
         add_metric("eval_loss", 2.0)
         bus.publish(AfterStep(is_train=False))
-        service = _FailsWhenTold()
-        bus.start_service(service)
-
-        async def tell(event: AfterStep) -> None:
-            service.told.set()
-            await anyio.sleep(0.05)  # the loop runs: the service fails meanwhile
-
-        bus.subscribe(AfterStep, tell)
-        bus.publish(AfterStep(global_step=1))
-        with pytest.raises(HookError, match="disk gone"):
+        bus.add_hook(ServiceFailsAfterFirstStep())  # its service fails during this AfterStep
+        bus.publish(AfterStep(global_step=0))
+        with pytest.raises(HookError, match="the disk is full"):
             bus.publish(BeforeStep(global_step=2))
     assert seen == [(True, {}), (False, {"eval_loss": 2.0}), (True, {})]
-
-
-class _FailsWhenTold:
-    """A background service that fails once told to (a sink losing its disk, say)."""
-
-    name = "fails-when-told"
-
-    def __init__(self) -> None:
-        self.told = threading.Event()
-
-    async def run(self) -> None:
-        while not self.told.is_set():
-            await anyio.sleep(0.005)
-        raise OSError("disk gone")
-
-    async def aclose(self, deadline: float) -> None:
-        pass
-
-    def stats(self) -> dict[str, Any]:
-        return {}
 
 
 def test_filters_priorities_and_async_subscribers(backend: str) -> None:
