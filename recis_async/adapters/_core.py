@@ -37,6 +37,7 @@ from ..events import (
     BeforeOptimizerStep,
     BeforeSaveCheckpoint,
     BeforeStep,
+    Event,
     OutOfData,
     Start,
 )
@@ -100,9 +101,7 @@ class Driver:
         # which optional step events have subscribers, asked again only when the bus's
         # subscriptions change (its generation) or the bus does (see _receivers)
         self._generation = -1
-        self.wants_data = False
-        self._wants_before = self._wants_backward = False
-        self._wants_before_optimizer = self._wants_after_optimizer = False
+        self._wants: dict[type[Event], bool] = {}  # filled before its first use
 
     # ------------------------------------------------------------------ the bus
     def __enter__(self) -> SyncHookBus:
@@ -185,12 +184,18 @@ class Driver:
         if generation == self._generation:
             return
         self._generation = generation
-        has = bus.has_subscribers
-        self._wants_before = has(BeforeStep)
-        self.wants_data = has(AfterData)
-        self._wants_backward = has(AfterBackward)
-        self._wants_before_optimizer = has(BeforeOptimizerStep)
-        self._wants_after_optimizer = has(AfterOptimizerStep)
+        optional = (BeforeStep, AfterData, AfterBackward, BeforeOptimizerStep, AfterOptimizerStep)
+        self._wants = {kind: bus.has_subscribers(kind) for kind in optional}
+
+    def receives(self, kind: type[Event]) -> bool:
+        """Whether the open step's optional ``kind`` event (``BeforeStep``, ``AfterData``,
+        ``AfterBackward``, the optimizer-step pair) would reach a subscriber now: an adapter
+        skips working out what only that event carries (Lightning's accumulation state)."""
+        bus = self.bus
+        if self.step is None or bus is None:
+            return False
+        self._receivers(bus)
+        return self._wants[kind]
 
     @property
     def should_stop(self) -> bool:
@@ -215,7 +220,7 @@ class Driver:
         self._receivers(bus)
         # as the Trainer: a publish nobody receives is not made, unless the bus has something
         # to raise or deliver at this step boundary
-        if self._wants_before or not bus._begin_step(is_train):
+        if self._wants[BeforeStep] or not bus._begin_step(is_train):
             bus.publish(step)
         if data:
             self.after_data()
@@ -231,7 +236,7 @@ class Driver:
         if step is None or bus is None:
             return
         self._receivers(bus)
-        if self.wants_data:
+        if self._wants[AfterData]:
             bus.publish(
                 AfterData(
                     is_train=step.is_train,
@@ -246,7 +251,7 @@ class Driver:
         if step is None or bus is None:
             return
         self._receivers(bus)
-        if self._wants_backward:
+        if self._wants[AfterBackward]:
             bus.publish(AfterBackward(**_place(step), sync=sync))
 
     def before_optimizer_step(self, optimizers: tuple[Any, ...], scaler: Any = None) -> None:
@@ -254,7 +259,7 @@ class Driver:
         if step is not None and bus is not None:
             self._optimized = True  # AfterOptimizerStep follows, whoever receives this one
             self._receivers(bus)
-            if self._wants_before_optimizer:
+            if self._wants[BeforeOptimizerStep]:
                 bus.publish(
                     BeforeOptimizerStep(**_place(step), optimizers=optimizers, scaler=scaler)
                 )
@@ -264,7 +269,7 @@ class Driver:
         if step is not None and bus is not None and self._optimized:
             self._optimized = False
             self._receivers(bus)
-            if self._wants_after_optimizer:
+            if self._wants[AfterOptimizerStep]:
                 bus.publish(
                     AfterOptimizerStep(**_place(step), optimizers=optimizers, scaler=scaler)
                 )
@@ -287,7 +292,7 @@ class Driver:
         if self._optimized:  # frameworks without a callback after the optimizer step
             self._optimized = False
             self._receivers(bus)
-            if self._wants_after_optimizer:
+            if self._wants[AfterOptimizerStep]:
                 bus.publish(AfterOptimizerStep(**_place(step), optimizers=optimizers))
         if loss is not None:
             add_metric("loss", loss)

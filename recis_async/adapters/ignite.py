@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from ignite.engine import Engine, Events
 
+from ..events import AfterData
 from ..hook import Hook
 from ..syncbus import SyncHookBus
 from ..trainer import batch_size
@@ -143,8 +144,9 @@ class IgniteAdapter(Adapter):
         local = state.iteration - (state.epoch - 1) * length if length else 0
         driver = self._driver
         driver.begin_step(True, state.iteration, max(local, 0), state.epoch - 1, data=False)
-        if driver.wants_data is (self._data_handle is None):
-            self._follow_data(engine, driver.wants_data)
+        wanted = driver.receives(AfterData)
+        if wanted is (self._data_handle is None):
+            self._follow_data(engine, wanted)
 
     def _follow_data(self, engine: Engine, wanted: bool) -> None:
         """Handle ``GET_BATCH_COMPLETED`` (publish ``AfterData``) only while a hook receives

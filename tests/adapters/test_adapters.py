@@ -239,3 +239,43 @@ def test_ignite_handles_get_batch_completed_only_while_after_data_has_a_subscrib
     # whether the handler was there at each step's end: added at step 2's batch, removed at
     # step 4's
     assert handled == [False, False, True, True, False, False]
+
+
+@pytest.mark.parametrize("framework", ["lightning", "transformers"])
+def test_backward_and_optimizer_step_events_reach_their_subscribers(
+    framework: str, tmp_path: Path
+) -> None:
+    """The framework's backward and optimizer callbacks become ``AfterBackward(sync=True)``
+    and ``AfterOptimizerStep`` carrying the framework's optimizer, once a step, before its
+    ``AfterStep`` (the adapter works out what they carry only when they are received)."""
+    import torch
+
+    from recis_async.events import AfterBackward, AfterOptimizerStep
+
+    seen: list[tuple[str, int, Any]] = []
+
+    class Steps(Hook):
+        def attach(self, bus: Any) -> None:
+            super().attach(bus)
+            bus.subscribe(AfterBackward, lambda e: seen.append(("backward", e.global_step, e.sync)))
+            bus.subscribe(
+                AfterOptimizerStep,
+                lambda e: seen.append(("optimizer", e.global_step, type(e.optimizers[0]))),
+            )
+
+        def after_step(self, event: AfterStep) -> None:
+            if event.is_train:
+                seen.append(("step", event.global_step, None))
+
+    ps.run_job(framework, tmp_path, [Steps()], rows=ps.ROWS * 3)
+    optimizer = seen[1][2]
+    assert issubclass(optimizer, torch.optim.Optimizer), seen
+    assert seen == [
+        entry
+        for step in range(3)
+        for entry in (
+            ("backward", step, True),
+            ("optimizer", step, optimizer),
+            ("step", step, None),
+        )
+    ]
