@@ -37,6 +37,7 @@ from ..events import (
     BeforeOptimizerStep,
     BeforeSaveCheckpoint,
     BeforeStep,
+    Event,
     OutOfData,
     Start,
 )
@@ -97,6 +98,10 @@ class Driver:
         self.step: BeforeStep | None = None
         self._optimized = False
         self._trained_epoch: int | None = None  # AfterTrain was published for this epoch
+        # which optional step events have subscribers, asked again only when the bus's
+        # subscriptions change (its generation) or the bus does (see _receivers)
+        self._generation = -1
+        self._wants: dict[type[Event], bool] = {}  # filled before its first use
 
     # ------------------------------------------------------------------ the bus
     def __enter__(self) -> SyncHookBus:
@@ -118,6 +123,7 @@ class Driver:
         self.close(exc)
 
     def _open_bus(self) -> SyncHookBus:
+        self._generation = -1  # another bus (or hooks added below): ask it again
         if self.bus is not None:
             if not self._owned:  # given: add the hooks once
                 on_bus = self.bus.hooks
@@ -152,6 +158,7 @@ class Driver:
         if bus is None or not self._owned or self._entered:
             return
         self.bus, self._owned = self._given, False
+        self._generation = -1
         if exc is None:
             bus.__exit__(None, None, None)
         else:
@@ -168,6 +175,27 @@ class Driver:
         except BaseException as close_exc:  # the run's exception matters more
             if close_exc is not exc:
                 logger.error("%s: closing the bus after %r failed: %s", self.owner, exc, close_exc)
+
+    def _receivers(self, bus: SyncHookBus) -> None:
+        """Ask ``bus`` which optional step events have subscribers, when its subscriptions
+        changed since it was last asked (a hook added during the run receives them from the
+        next callback on): asking costs each callback ~3k instructions, a step several."""
+        generation = bus._bus._generation
+        if generation == self._generation:
+            return
+        self._generation = generation
+        optional = (BeforeStep, AfterData, AfterBackward, BeforeOptimizerStep, AfterOptimizerStep)
+        self._wants = {kind: bus.has_subscribers(kind) for kind in optional}
+
+    def receives(self, kind: type[Event]) -> bool:
+        """Whether the open step's optional ``kind`` event (``BeforeStep``, ``AfterData``,
+        ``AfterBackward``, the optimizer-step pair) would reach a subscriber now: an adapter
+        skips working out what only that event carries (Lightning's accumulation state)."""
+        bus = self.bus
+        if self.step is None or bus is None:
+            return False
+        self._receivers(bus)
+        return self._wants[kind]
 
     @property
     def should_stop(self) -> bool:
@@ -189,9 +217,10 @@ class Driver:
             is_train=is_train, global_step=global_step, local_step=local_step, epoch=epoch
         )
         self._optimized = False
+        self._receivers(bus)
         # as the Trainer: a publish nobody receives is not made, unless the bus has something
         # to raise or deliver at this step boundary
-        if bus.has_subscribers(BeforeStep) or not bus._begin_step(is_train):
+        if self._wants[BeforeStep] or not bus._begin_step(is_train):
             bus.publish(step)
         if data:
             self.after_data()
@@ -199,11 +228,15 @@ class Driver:
     # The step events the bus does not act on (AfterData, AfterBackward, the optimizer-step
     # pair) are built and published only when something subscribes to them, as the Trainer
     # does: frameworks call back for them on every step, and a publish nobody receives costs
-    # the step the bus's whole publish all the same (~12k instructions each).  The bus is
-    # asked at each callback, so a hook added during the run receives them from then on.
+    # the step the bus's whole publish all the same (~12k instructions each).  Whether
+    # anyone subscribes is asked again whenever the bus's subscriptions changed
+    # (_receivers), so a hook added during the run receives them from its next callback on.
     def after_data(self) -> None:
         step, bus = self.step, self.bus
-        if step is not None and bus is not None and bus.has_subscribers(AfterData):
+        if step is None or bus is None:
+            return
+        self._receivers(bus)
+        if self._wants[AfterData]:
             bus.publish(
                 AfterData(
                     is_train=step.is_train,
@@ -215,14 +248,18 @@ class Driver:
 
     def after_backward(self, sync: bool) -> None:
         step, bus = self.step, self.bus
-        if step is not None and bus is not None and bus.has_subscribers(AfterBackward):
+        if step is None or bus is None:
+            return
+        self._receivers(bus)
+        if self._wants[AfterBackward]:
             bus.publish(AfterBackward(**_place(step), sync=sync))
 
     def before_optimizer_step(self, optimizers: tuple[Any, ...], scaler: Any = None) -> None:
         step, bus = self.step, self.bus
         if step is not None and bus is not None:
             self._optimized = True  # AfterOptimizerStep follows, whoever receives this one
-            if bus.has_subscribers(BeforeOptimizerStep):
+            self._receivers(bus)
+            if self._wants[BeforeOptimizerStep]:
                 bus.publish(
                     BeforeOptimizerStep(**_place(step), optimizers=optimizers, scaler=scaler)
                 )
@@ -231,7 +268,8 @@ class Driver:
         step, bus = self.step, self.bus
         if step is not None and bus is not None and self._optimized:
             self._optimized = False
-            if bus.has_subscribers(AfterOptimizerStep):
+            self._receivers(bus)
+            if self._wants[AfterOptimizerStep]:
                 bus.publish(
                     AfterOptimizerStep(**_place(step), optimizers=optimizers, scaler=scaler)
                 )
@@ -253,7 +291,8 @@ class Driver:
         self.step = None
         if self._optimized:  # frameworks without a callback after the optimizer step
             self._optimized = False
-            if bus.has_subscribers(AfterOptimizerStep):
+            self._receivers(bus)
+            if self._wants[AfterOptimizerStep]:
                 bus.publish(AfterOptimizerStep(**_place(step), optimizers=optimizers))
         if loss is not None:
             add_metric("loss", loss)

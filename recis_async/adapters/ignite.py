@@ -16,7 +16,7 @@ The engine's events, and what each publishes (reference order):
                            (``AfterLoadCheckpoint``)
 ``EPOCH_STARTED``          ``BeforeEpoch``
 ``GET_BATCH_STARTED``      ``BeforeStep`` (the wait for data follows)
-``GET_BATCH_COMPLETED``    ``AfterData``
+``GET_BATCH_COMPLETED``    ``AfterData`` (handled only while a hook subscribes to it)
 ``ITERATION_COMPLETED``    ``AfterStep``; a stop request of the bus calls ``engine.terminate()``
 ``EPOCH_COMPLETED``        ``AfterTrain`` (unless an attached evaluator published it), then
                            ``AfterEpoch`` (an epoch that ran out of data after ``BeforeStep``:
@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from ignite.engine import Engine, Events
 
+from ..events import AfterData
 from ..hook import Hook
 from ..syncbus import SyncHookBus
 from ..trainer import batch_size
@@ -103,6 +104,7 @@ class IgniteAdapter(Adapter):
         self._driver = Driver("attach", hooks, bus, flush_timeout, handle_signals)
         self._to_load: Mapping[str, Any] | None = None  # hook states waiting for STARTED
         self._handles: list[Any] = []
+        self._data_handle: Any = None  # GET_BATCH_COMPLETED's, while AfterData has subscribers
         self._eval_steps = 0
 
     def _attach(self) -> None:
@@ -111,7 +113,6 @@ class IgniteAdapter(Adapter):
             (Events.STARTED, self._started),
             (Events.EPOCH_STARTED, self._epoch_started),
             (Events.GET_BATCH_STARTED, self._batch_started),
-            (Events.GET_BATCH_COMPLETED, self._batch_completed),
             (Events.ITERATION_COMPLETED, self._iteration_completed),
             (Events.EPOCH_COMPLETED, self._epoch_completed),
             (Events.TERMINATE, self._terminated),
@@ -125,6 +126,7 @@ class IgniteAdapter(Adapter):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._data_handle = None
 
     # ------------------------------------------------------------------ training
     def _started(self, engine: Engine) -> None:
@@ -140,7 +142,26 @@ class IgniteAdapter(Adapter):
         state = engine.state
         length = state.epoch_length
         local = state.iteration - (state.epoch - 1) * length if length else 0
-        self._driver.begin_step(True, state.iteration, max(local, 0), state.epoch - 1, data=False)
+        driver = self._driver
+        driver.begin_step(True, state.iteration, max(local, 0), state.epoch - 1, data=False)
+        wanted = driver.receives(AfterData)
+        if wanted is (self._data_handle is None):
+            self._follow_data(engine, wanted)
+
+    def _follow_data(self, engine: Engine, wanted: bool) -> None:
+        """Handle ``GET_BATCH_COMPLETED`` (publish ``AfterData``) only while a hook receives
+        it: every handler costs each of Ignite's steps its dispatch, ~3k instructions.  Called
+        from ``GET_BATCH_STARTED``, so a hook added during the run gets ``AfterData`` from
+        the next batch on."""
+        if wanted:
+            self._data_handle = engine.add_event_handler(
+                Events.GET_BATCH_COMPLETED, self._batch_completed
+            )
+            self._handles.append(self._data_handle)
+        else:
+            self._handles.remove(self._data_handle)
+            self._data_handle.remove()
+            self._data_handle = None
 
     def _batch_completed(self, engine: Engine) -> None:
         self._driver.after_data()

@@ -45,6 +45,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from ..events import AfterBackward, AfterOptimizerStep
 from ..hook import Hook
 from ..syncbus import SyncHookBus
 from ..trainer import batch_size
@@ -121,7 +122,8 @@ class RecisCallback(Adapter, pl.Callback):
         )
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._driver.after_backward(sync=not trainer.fit_loop._should_accumulate())
+        if self._driver.receives(AfterBackward):  # (Lightning's accumulation state is not free)
+            self._driver.after_backward(sync=not trainer.fit_loop._should_accumulate())
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
@@ -138,8 +140,11 @@ class RecisCallback(Adapter, pl.Callback):
     ) -> None:
         loss, metrics = _loss_and_metrics(outputs)
         metrics.update(_logged_on_step(trainer))
-        optimizers = tuple(trainer.optimizers)
-        if self._driver.end_step(batch_size(batch), loss, metrics, optimizers):
+        driver = self._driver
+        # the optimizers only for an AfterOptimizerStep that is received (Lightning calls back
+        # before the optimizer's step, not after it: end_step publishes that event)
+        optimizers = tuple(trainer.optimizers) if driver.receives(AfterOptimizerStep) else ()
+        if driver.end_step(batch_size(batch), loss, metrics, optimizers):
             trainer.should_stop = True
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

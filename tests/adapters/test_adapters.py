@@ -181,3 +181,101 @@ def test_hook_state_travels_with_the_frameworks_checkpoint(framework: str, tmp_p
     assert first.count == STEPS and first.saves == [STEPS]
     assert second.loaded == [STEPS]
     assert second.count == 2 * STEPS  # restored, then the second epoch's steps
+
+
+def test_ignite_handles_get_batch_completed_only_while_after_data_has_a_subscriber(
+    tmp_path: Path,
+) -> None:
+    """A hook subscribing to ``AfterData`` during the run receives it from the next batch on,
+    in its place between ``BeforeStep`` and ``AfterStep``; once it unsubscribes, the adapter's
+    ``GET_BATCH_COMPLETED`` handler is gone again (each handler costs Ignite's every step)."""
+    from ignite.engine import Events as IgniteEvents
+
+    from recis_async.adapters.ignite import attach
+    from recis_async.events import AfterData, BeforeStep
+
+    seen: list[str] = []
+    handled: list[bool] = []
+
+    class Late(Hook):
+        """At step 1 subscribes to the step's events; at step 3 unsubscribes."""
+
+        def __init__(self) -> None:
+            self.subscriptions: list[Any] = []
+
+        def after_step(self, event: AfterStep) -> None:
+            seen.append(f"AfterStep{event.global_step}")
+            handled.append(
+                engine.has_event_handler(adapter._batch_completed, IgniteEvents.GET_BATCH_COMPLETED)
+            )
+            if event.global_step == 1:
+                for kind in (BeforeStep, AfterData):
+                    self.subscriptions.append(bus.subscribe(kind, self.record))
+            elif event.global_step == 3:
+                for subscription in self.subscriptions:
+                    bus.unsubscribe(subscription)
+
+        def record(self, event: Any) -> None:
+            seen.append(f"{type(event).__name__}{event.global_step}")
+
+    def attached(e: Any) -> Any:
+        nonlocal engine, adapter, bus
+        engine = e
+        adapter = attach(e, [Late()], bus=bus)
+        return adapter
+
+    engine: Any = None
+    adapter: Any = None
+    with SyncHookBus(handle_signals=False) as bus:
+        ps.ignite_job(tmp_path, attached, rows=ps.ROWS * 6)
+    assert seen == [
+        "AfterStep0",
+        "AfterStep1",
+        *("BeforeStep2", "AfterData2", "AfterStep2"),
+        *("BeforeStep3", "AfterData3", "AfterStep3"),
+        "AfterStep4",
+        "AfterStep5",
+    ]
+    # whether the handler was there at each step's end: added at step 2's batch, removed at
+    # step 4's
+    assert handled == [False, False, True, True, False, False]
+
+
+@pytest.mark.parametrize("framework", ["lightning", "transformers"])
+def test_backward_and_optimizer_step_events_reach_their_subscribers(
+    framework: str, tmp_path: Path
+) -> None:
+    """The framework's backward and optimizer callbacks become ``AfterBackward(sync=True)``
+    and ``AfterOptimizerStep`` carrying the framework's optimizer, once a step, before its
+    ``AfterStep`` (the adapter works out what they carry only when they are received)."""
+    import torch
+
+    from recis_async.events import AfterBackward, AfterOptimizerStep
+
+    seen: list[tuple[str, int, Any]] = []
+
+    class Steps(Hook):
+        def attach(self, bus: Any) -> None:
+            super().attach(bus)
+            bus.subscribe(AfterBackward, lambda e: seen.append(("backward", e.global_step, e.sync)))
+            bus.subscribe(
+                AfterOptimizerStep,
+                lambda e: seen.append(("optimizer", e.global_step, type(e.optimizers[0]))),
+            )
+
+        def after_step(self, event: AfterStep) -> None:
+            if event.is_train:
+                seen.append(("step", event.global_step, None))
+
+    ps.run_job(framework, tmp_path, [Steps()], rows=ps.ROWS * 3)
+    optimizer = seen[1][2]
+    assert issubclass(optimizer, torch.optim.Optimizer), seen
+    assert seen == [
+        entry
+        for step in range(3)
+        for entry in (
+            ("backward", step, True),
+            ("optimizer", step, optimizer),
+            ("step", step, None),
+        )
+    ]

@@ -28,3 +28,7 @@ def test_bench_peers_quick_runs_every_path(tmp_path: Path) -> None:
         assert f"| {config} |" in table, table
     for framework in ("lightning", "hf", "ignite"):
         assert f"| {framework} |" in table and f"| {framework}+adapter |" in table, table
+    _, _, added = table.partition("What each adapter adds to its framework's step")
+    for framework in ("lightning", "hf", "ignite"):  # step thread, whole process, p50
+        row = next(line for line in added.splitlines() if line.startswith(f"| {framework}+"))
+        assert row.count(" µs = ") == 3, row
