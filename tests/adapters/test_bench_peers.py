@@ -28,6 +28,14 @@ def test_bench_peers_quick_runs_every_path(tmp_path: Path) -> None:
         assert f"| {config} |" in table, table
     for framework in ("lightning", "hf", "ignite"):
         assert f"| {framework} |" in table and f"| {framework}+adapter |" in table, table
+    # every path spends some CPU of its own besides the model's (Lightning's closure, run
+    # inside the optimizer's step, once counted as the model's: a negative figure)
+    first = table.partition("within each repetition")[0]
+    rows = [line for line in first.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) == 12, first  # the header and the 11 configs
+    for line in rows[1:]:
+        besides = line.split("|")[4].split()[0]  # "CPU µs/step besides the model (range)"
+        assert float(besides) > 0, line
     _, _, added = table.partition("What each adapter adds to its framework's step")
     for framework in ("lightning", "hf", "ignite"):  # step thread, whole process, p50
         row = next(line for line in added.splitlines() if line.startswith(f"| {framework}+"))
