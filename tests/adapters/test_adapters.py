@@ -398,3 +398,40 @@ def test_lightning_calls_the_callbacks_inside_a_step_only_while_a_hook_receives_
         assert point not in calls.calls, calls.calls
     assert published.steps == list(range(6))
     ps.check_delivered(tmp_path, published.steps)
+
+
+def test_what_a_lightning_step_logs_is_in_its_after_step_metrics(tmp_path: Path) -> None:
+    """``self.log(..., on_step=True)`` in the training step (the job logs twice the loss)
+    reaches that step's ``AfterStep.metrics`` beside the loss, on every step."""
+    from recis_async.adapters.lightning import RecisCallback
+
+    seen: list[dict[str, Any]] = []
+
+    class Metrics(Hook):
+        def after_step(self, event: AfterStep) -> None:
+            seen.append(dict(event.metrics))
+
+    ps.lightning_job(tmp_path, RecisCallback([Metrics()]), rows=ps.ROWS * 3)
+    assert len(seen) == 3
+    for metrics in seen:
+        assert sorted(metrics) == ["double_loss", "loss"], metrics
+        assert metrics["double_loss"] == pytest.approx(2 * metrics["loss"])
+
+
+def test_a_lightning_callback_subclass_keeps_its_own_step_callbacks(tmp_path: Path) -> None:
+    """The callback hides the points of a step that publish nothing, but never a subclass's
+    own override of one: Lightning calls it on every step."""
+    from recis_async.adapters.lightning import RecisCallback
+
+    calls: list[str] = []
+
+    class Mine(RecisCallback):
+        def on_before_zero_grad(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            calls.append("zero_grad")
+
+        def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+            calls.append("backward")
+            super().on_after_backward(trainer, pl_module)
+
+    ps.lightning_job(tmp_path, Mine([Events()]), rows=ps.ROWS * 3)
+    assert sorted(calls) == ["backward"] * 3 + ["zero_grad"] * 3
