@@ -39,9 +39,9 @@ batch index in the epoch, ``epoch`` Lightning's ``current_epoch``.
 Lightning calls every callback object at every callback point of a step, each call inside a
 profiler context, whether the callback overrides the point or not; it skips an attribute that
 is not callable.  So the callback hides from Lightning the points of a training step that
-publish nothing now: ``on_before_backward`` and ``on_before_zero_grad`` always, the three
-above ``on_train_batch_end`` while no hook receives what they publish (``on_train_batch_end``
-then publishes the step whole).  A hook subscribing during the run receives them from the
+publish nothing now: ``on_before_backward`` and ``on_before_zero_grad`` always;
+``on_train_batch_start``, ``on_after_backward`` and ``on_before_optimizer_step`` while no hook
+receives what they publish (``on_train_batch_end`` then publishes the step whole).  A hook subscribing during the run receives them from the
 next step on.  A subclass's own override of one of them is always called.
 """
 
