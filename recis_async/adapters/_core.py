@@ -10,7 +10,11 @@ framework's callback points to the driver's methods.
 
 ``AfterData``, ``AfterBackward`` and the optimizer-step pair, which the bus itself does not act
 on, are built and published only when something subscribes to them (as the ``Trainer``
-publishes them): a hook that subscribes receives them in the reference order.
+publishes them): a hook that subscribes receives them in the reference order.  While no hook
+receives any event from inside a training step (``BeforeStep`` either), an adapter leaves its
+framework's callbacks inside the step unhandled and publishes the step whole at its end
+(:meth:`Driver.whole_step`): every callback a framework dispatches costs each of its steps,
+published or not.
 """
 
 from __future__ import annotations
@@ -101,7 +105,9 @@ class Driver:
         # which optional step events have subscribers, asked again only when the bus's
         # subscriptions change (its generation) or the bus does (see _receivers)
         self._generation = -1
-        self._wants: dict[type[Event], bool] = {}  # filled before its first use
+        self._wants: dict[type[Event], bool] = dict.fromkeys(
+            (BeforeStep, AfterData, AfterBackward, BeforeOptimizerStep, AfterOptimizerStep), False
+        )
 
     # ------------------------------------------------------------------ the bus
     def __enter__(self) -> SyncHookBus:
@@ -185,8 +191,20 @@ class Driver:
         if generation == self._generation:
             return
         self._generation = generation
-        optional = (BeforeStep, AfterData, AfterBackward, BeforeOptimizerStep, AfterOptimizerStep)
-        self._wants = {kind: bus.has_subscribers(kind) for kind in optional}
+        self._wants = {kind: bus.has_subscribers(kind) for kind in self._wants}
+
+    def inside(self) -> Mapping[type[Event], bool]:
+        """Which events from inside a step (``BeforeStep``, ``AfterData``, ``AfterBackward``,
+        the optimizer-step pair) a hook receives now; none without a bus.  The same object
+        until the bus's subscriptions change, so an adapter asking at each step's end
+        compares it with ``is`` and re-routes its framework's callbacks only on a change:
+        a callback inside the step is followed only while a hook receives what it publishes
+        (a training step nobody watches from inside is published by :meth:`whole_step`)."""
+        bus = self.bus
+        if bus is None:
+            return dict.fromkeys(self._wants, False)
+        self._receivers(bus)
+        return self._wants
 
     def receives(self, kind: type[Event]) -> bool:
         """Whether the open step's optional ``kind`` event (``BeforeStep``, ``AfterData``,
@@ -295,6 +313,62 @@ class Driver:
             self._receivers(bus)
             if self._wants[AfterOptimizerStep]:
                 bus.publish(AfterOptimizerStep(**_place(step), optimizers=optimizers))
+        return self._after_step(
+            bus,
+            step.is_train,
+            step.global_step,
+            step.local_step,
+            step.epoch,
+            samples,
+            loss,
+            metrics,
+        )
+
+    def whole_step(
+        self,
+        is_train: bool,
+        global_step: int,
+        local_step: int,
+        epoch: int,
+        samples: int,
+        loss: Any = None,
+        metrics: Mapping[str, Any] | None = None,
+    ) -> bool:
+        """A step the adapter sees only at its end (its callbacks inside the step are not
+        followed while no hook receives an event from there, see :meth:`inside`; an Ignite
+        run without data has none): its ``AfterStep``, as :meth:`end_step` publishes it,
+        after a ``BeforeStep`` if a hook receives one now.  What the bus does for a
+        ``BeforeStep`` nobody receives is done all the same: a service's failure is raised
+        before the framework runs another step (here, after the step's ``AfterStep``), a stop
+        signal is delivered by ``AfterStep``, and values of evaluation steps are kept apart
+        (they are always begun by a callback, and :meth:`after_eval` returns the bus to
+        training steps)."""
+        bus = self.bus
+        if bus is None:
+            return False
+        self._receivers(bus)
+        if self._wants[BeforeStep]:
+            self.begin_step(is_train, global_step, local_step, epoch, data=False)
+            return self.end_step(samples, loss, metrics)
+        stop = self._after_step(
+            bus, is_train, global_step, local_step, epoch, samples, loss, metrics
+        )
+        failures = bus._bus._failures
+        if failures:  # a service failed in the publish: raised before another step runs, as
+            raise failures.pop(0)  # the next step's BeforeStep would raise it
+        return stop
+
+    def _after_step(
+        self,
+        bus: SyncHookBus,
+        is_train: bool,
+        global_step: int,
+        local_step: int,
+        epoch: int,
+        samples: int,
+        loss: Any,
+        metrics: Mapping[str, Any] | None,
+    ) -> bool:
         if loss is not None:
             add_metric("loss", loss)
         if metrics:
@@ -307,10 +381,10 @@ class Driver:
                 _add_metrics(extra)
         bus.publish(
             AfterStep(
-                is_train=step.is_train,
-                global_step=step.global_step,
-                local_step=step.local_step,
-                epoch=step.epoch,
+                is_train=is_train,
+                global_step=global_step,
+                local_step=local_step,
+                epoch=epoch,
                 samples=samples,
             )
         )
@@ -347,10 +421,14 @@ class Driver:
         per evaluation, not on a step)."""
         if self.step is not None and not self.step.is_train:
             self.out_of_data()
-        if self.bus is not None:
-            self.bus.publish(
+        bus = self.bus
+        if bus is not None:
+            bus.publish(
                 AfterEval(global_step=global_step, steps=steps, metrics=plain_metrics(metrics))
             )
+            # training resumes: what is collected from here on belongs to training steps,
+            # which may begin with no callback (whole_step); what evaluation left is dropped
+            bus._begin_step(True)
 
     # ------------------------------------------------------------------ checkpoints
     def hook_states(self, global_step: int, path: str = "") -> dict[str, Any]:

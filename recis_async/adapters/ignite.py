@@ -15,7 +15,8 @@ The engine's events, and what each publishes (reference order):
                            with :meth:`IgniteAdapter.load_state_dict` are given to the hooks
                            (``AfterLoadCheckpoint``)
 ``EPOCH_STARTED``          ``BeforeEpoch``
-``GET_BATCH_STARTED``      ``BeforeStep`` (the wait for data follows)
+``GET_BATCH_STARTED``      ``BeforeStep`` (the wait for data follows); handled only while a
+                           hook receives an event from inside the step
 ``GET_BATCH_COMPLETED``    ``AfterData`` (handled only while a hook subscribes to it)
 ``ITERATION_COMPLETED``    ``AfterStep``; a stop request of the bus calls ``engine.terminate()``
 ``EPOCH_COMPLETED``        ``AfterTrain`` (unless an attached evaluator published it), then
@@ -47,7 +48,7 @@ from typing import Any
 import torch
 from ignite.engine import Engine, Events
 
-from ..events import AfterData
+from ..events import AfterData, Event
 from ..hook import Hook
 from ..syncbus import SyncHookBus
 from ..trainer import batch_size
@@ -104,7 +105,9 @@ class IgniteAdapter(Adapter):
         self._driver = Driver("attach", hooks, bus, flush_timeout, handle_signals)
         self._to_load: Mapping[str, Any] | None = None  # hook states waiting for STARTED
         self._handles: list[Any] = []
-        self._data_handle: Any = None  # GET_BATCH_COMPLETED's, while AfterData has subscribers
+        # the GET_BATCH handlers, there while a hook receives what they publish (_follow)
+        self._followed: Mapping[type[Event], bool] | None = None
+        self._batch_handles: dict[Any, Any] = {}  # by Ignite event
         self._eval_steps = 0
 
     def _attach(self) -> None:
@@ -112,7 +115,6 @@ class IgniteAdapter(Adapter):
         for event, handler in (
             (Events.STARTED, self._started),
             (Events.EPOCH_STARTED, self._epoch_started),
-            (Events.GET_BATCH_STARTED, self._batch_started),
             (Events.ITERATION_COMPLETED, self._iteration_completed),
             (Events.EPOCH_COMPLETED, self._epoch_completed),
             (Events.TERMINATE, self._terminated),
@@ -123,10 +125,11 @@ class IgniteAdapter(Adapter):
 
     def detach(self) -> None:
         """Remove the adapter's handlers from the engine (and from attached evaluators)."""
-        for handle in self._handles:
+        for handle in [*self._handles, *self._batch_handles.values()]:
             handle.remove()
         self._handles.clear()
-        self._data_handle = None
+        self._batch_handles.clear()
+        self._followed = None
 
     # ------------------------------------------------------------------ training
     def _started(self, engine: Engine) -> None:
@@ -134,42 +137,41 @@ class IgniteAdapter(Adapter):
         states, self._to_load = self._to_load, None
         if states is not None:
             self._driver.load_hook_states(states, engine.state.iteration, "")
+        self._follow(engine)
 
     def _epoch_started(self, engine: Engine) -> None:
         self._driver.before_epoch(engine.state.epoch - 1)
 
+    def _follow(self, engine: Engine) -> None:
+        """Handle ``GET_BATCH_STARTED`` / ``GET_BATCH_COMPLETED`` only while a hook receives
+        an event from inside the step / ``AfterData``: every handler costs each of Ignite's
+        steps its dispatch and call (~4k instructions) even when it publishes nothing, and
+        without them ``ITERATION_COMPLETED`` publishes the step whole.  Called when the run
+        starts and at each step's end, after its ``AfterStep`` (where hooks subscribe): a
+        hook subscribing during the run receives them from the next step on."""
+        wants = self._driver.inside()
+        if wants is self._followed:
+            return
+        self._followed = wants
+        handles = self._batch_handles
+        for event, handler, wanted in (
+            (Events.GET_BATCH_STARTED, self._batch_started, any(wants.values())),
+            (Events.GET_BATCH_COMPLETED, self._batch_completed, wants[AfterData]),
+        ):
+            if wanted and event not in handles:
+                handles[event] = engine.add_event_handler(event, handler)
+            elif not wanted and event in handles:
+                handles.pop(event).remove()
+
     def _batch_started(self, engine: Engine) -> None:
         state = engine.state
-        length = state.epoch_length
-        local = state.iteration - (state.epoch - 1) * length if length else 0
-        driver = self._driver
-        driver.begin_step(True, state.iteration, max(local, 0), state.epoch - 1, data=False)
-        wanted = driver.receives(AfterData)
-        if wanted is (self._data_handle is None):
-            self._follow_data(engine, wanted)
-
-    def _follow_data(self, engine: Engine, wanted: bool) -> None:
-        """Handle ``GET_BATCH_COMPLETED`` (publish ``AfterData``) only while a hook receives
-        it: every handler costs each of Ignite's steps its dispatch and call, ~4k instructions
-        even when it publishes nothing.  Called from ``GET_BATCH_STARTED``, so a hook added
-        during the run gets ``AfterData`` from the next batch on."""
-        if wanted:
-            self._data_handle = engine.add_event_handler(
-                Events.GET_BATCH_COMPLETED, self._batch_completed
-            )
-            self._handles.append(self._data_handle)
-        else:
-            self._handles.remove(self._data_handle)
-            self._data_handle.remove()
-            self._data_handle = None
+        global_step, local_step, epoch = _place(state, state.iteration)
+        self._driver.begin_step(True, global_step, local_step, epoch, data=False)
 
     def _batch_completed(self, engine: Engine) -> None:
         self._driver.after_data()
 
     def _iteration_completed(self, engine: Engine) -> None:
-        if self._driver.step is None:  # an engine run without data: no GET_BATCH events
-            state = engine.state
-            self._driver.begin_step(True, state.iteration - 1, 0, state.epoch - 1, data=False)
         state = engine.state
         output = state.output
         metrics: dict[str, Any] | None = None
@@ -177,7 +179,16 @@ class IgniteAdapter(Adapter):
             loss = output if output.numel() == 1 else None
         else:
             loss, metrics = _loss_and_metrics(output)
-        if self._driver.end_step(batch_size(state.batch), loss, metrics):
+        driver = self._driver
+        if driver.step is not None:  # begun at GET_BATCH_STARTED
+            stop = driver.end_step(batch_size(state.batch), loss, metrics)
+        else:  # not followed (or an engine run without data, which has no GET_BATCH events)
+            global_step, local_step, epoch = _place(state, state.iteration - 1)
+            stop = driver.whole_step(
+                True, global_step, local_step, epoch, batch_size(state.batch), loss, metrics
+            )
+        self._follow(engine)
+        if stop:
             engine.terminate()
 
     def _epoch_completed(self, engine: Engine) -> None:
@@ -257,6 +268,15 @@ class IgniteAdapter(Adapter):
             self._driver.load_hook_states(hooks, self.engine.state.iteration, "")
         else:
             self._to_load = hooks
+
+
+def _place(state: Any, iteration: int) -> tuple[int, int, int]:
+    """``global_step``, ``local_step`` and ``epoch`` of the step that is the engine's
+    ``iteration`` (0-based): ``local_step`` counts from the epoch's start when the epoch's
+    length is known, else 0."""
+    length = state.epoch_length
+    local = iteration - (state.epoch - 1) * length if length else 0
+    return iteration, max(local, 0), state.epoch - 1
 
 
 def _loss_and_metrics(output: Any) -> tuple[Any, dict[str, Any]]:

@@ -35,6 +35,14 @@ training step returned, and what the step logged with ``self.log(..., on_step=Tr
 ``global_step`` counts training batches over the run (Lightning's ``global_step`` counts
 optimizer steps: the two are equal without gradient accumulation), ``local_step`` is the
 batch index in the epoch, ``epoch`` Lightning's ``current_epoch``.
+
+Lightning calls every callback object at every callback point of a step, each call inside a
+profiler context, whether the callback overrides the point or not; it skips an attribute that
+is not callable.  So the callback hides from Lightning the points of a training step that
+publish nothing now: ``on_before_backward`` and ``on_before_zero_grad`` always;
+``on_train_batch_start``, ``on_after_backward`` and ``on_before_optimizer_step`` while no hook
+receives what they publish (``on_train_batch_end`` then publishes the step whole).  A hook subscribing during the run receives them from the
+next step on.  A subclass's own override of one of them is always called.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from ..events import AfterBackward, AfterOptimizerStep
+from ..events import AfterBackward, AfterOptimizerStep, BeforeOptimizerStep, Event
 from ..hook import Hook
 from ..syncbus import SyncHookBus
 from ..trainer import batch_size
@@ -90,6 +98,10 @@ class RecisCallback(Adapter, pl.Callback):
         self._stage: str | None = None
         self._trainer: pl.Trainer | None = None  # of the stage under way (state_dict has none)
         self._ckpt_path = ""
+        self._followed: Mapping[type[Event], bool] | None = None  # see _follow
+        for name in ("on_before_backward", "on_before_zero_grad"):  # nothing to publish
+            if getattr(type(self), name) is getattr(pl.Callback, name):
+                setattr(self, name, None)
 
     # ------------------------------------------------------------------ run
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -97,6 +109,29 @@ class RecisCallback(Adapter, pl.Callback):
             return  # a stage inside another (validate within fit's bus)
         self._stage, self._trainer = stage, trainer
         self._driver.start(is_train=stage == "fit")
+        self._follow()
+
+    def _follow(self) -> None:
+        """Hide from Lightning the callbacks inside a training step that publish nothing now
+        (an attribute that is not callable shadows the method), and show them again when a
+        hook subscribes: Lightning's call of each costs every step ~150 bytecodes of its own
+        (a profiler context, the hook's name formatted).  Called when the stage starts and
+        after each step's ``AfterStep`` (where hooks subscribe)."""
+        wants = self._driver.inside()
+        if wants is self._followed:
+            return
+        self._followed = wants
+        for name, wanted in (
+            ("on_train_batch_start", any(wants.values())),
+            ("on_after_backward", wants[AfterBackward]),
+            ("on_before_optimizer_step", wants[BeforeOptimizerStep] or wants[AfterOptimizerStep]),
+        ):
+            if getattr(type(self), name) is not getattr(RecisCallback, name):
+                continue  # a subclass's own: always called
+            if wanted:
+                self.__dict__.pop(name, None)
+            else:
+                setattr(self, name, None)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != self._stage:
@@ -141,10 +176,23 @@ class RecisCallback(Adapter, pl.Callback):
         loss, metrics = _loss_and_metrics(outputs)
         metrics.update(_logged_on_step(trainer))
         driver = self._driver
-        # the optimizers only for an AfterOptimizerStep that is received (Lightning calls back
-        # before the optimizer's step, not after it: end_step publishes that event)
-        optimizers = tuple(trainer.optimizers) if driver.receives(AfterOptimizerStep) else ()
-        if driver.end_step(batch_size(batch), loss, metrics, optimizers):
+        if driver.step is not None:  # begun by on_train_batch_start
+            # the optimizers only for an AfterOptimizerStep that is received (Lightning calls
+            # back before the optimizer's step, not after it: end_step publishes that event)
+            optimizers = tuple(trainer.optimizers) if driver.receives(AfterOptimizerStep) else ()
+            stop = driver.end_step(batch_size(batch), loss, metrics, optimizers)
+        else:  # nothing received from inside the step: on_train_batch_start is hidden
+            stop = driver.whole_step(
+                True,
+                _batches_before(trainer),
+                batch_idx,
+                trainer.current_epoch,
+                batch_size(batch),
+                loss,
+                metrics,
+            )
+        self._follow()
+        if stop:
             trainer.should_stop = True
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -253,9 +301,12 @@ def _logged_on_step(trainer: pl.Trainer) -> dict[str, Any]:
     """What the training step logged with ``self.log(..., on_step=True)``, as Lightning holds
     it for this step (tensors, not read).  Lightning's public ``callback_metrics`` converts
     progress-bar values to numbers (a device read), so its result collection is read
-    instead; an unknown layout of it gives nothing rather than failing the step."""
-    results = getattr(trainer, "_results", None)
-    if results is None:
+    instead: the training loop's own (``trainer._results`` works out which loop is active,
+    by comparing enums, ~100 bytecodes a step); an unknown layout of it gives nothing rather
+    than failing the step."""
+    try:
+        results = trainer.fit_loop.epoch_loop._results
+    except AttributeError:
         return {}
     logged: dict[str, Any] = {}
     try:

@@ -236,8 +236,8 @@ def test_ignite_handles_get_batch_completed_only_while_after_data_has_a_subscrib
         "AfterStep4",
         "AfterStep5",
     ]
-    # whether the handler was there at each step's end: added at step 2's batch, removed at
-    # step 4's
+    # whether the handler was there at each step's end: added when step 1 ended, removed
+    # when step 3 did
     assert handled == [False, False, True, True, False, False]
 
 
@@ -279,3 +279,159 @@ def test_backward_and_optimizer_step_events_reach_their_subscribers(
             ("step", step, None),
         )
     ]
+
+
+class Late(Hook):
+    """Subscribes to ``BeforeStep``, ``AfterData`` and ``AfterBackward`` in step 1's
+    ``AfterStep`` and unsubscribes in step 3's, recording what it receives; ``probe()`` is
+    called at each step's end (whether the framework calls the adapter inside the step)."""
+
+    def __init__(self, probe: Any) -> None:
+        self.probe = probe
+        self.seen: list[str] = []
+        self.followed: list[bool] = []
+        self.subscriptions: list[Any] = []
+
+    def attach(self, bus: Any) -> None:
+        self.bus = bus
+
+    def after_step(self, event: AfterStep) -> None:
+        from recis_async.events import AfterBackward, AfterData, BeforeStep
+
+        self.seen.append(f"AfterStep{event.global_step}")
+        self.followed.append(self.probe())
+        if event.global_step == 1:
+            for kind in (BeforeStep, AfterData, AfterBackward):
+                self.subscriptions.append(self.bus.subscribe(kind, self.record))
+        elif event.global_step == 3:
+            for subscription in self.subscriptions:
+                self.bus.unsubscribe(subscription)
+
+    def record(self, event: Any) -> None:
+        self.seen.append(f"{type(event).__name__}{event.global_step}")
+
+
+def test_ignite_handles_get_batch_started_only_while_a_hook_receives_an_event_inside_the_step(
+    tmp_path: Path,
+) -> None:
+    """While no hook receives ``BeforeStep`` or another event from inside the step, the adapter
+    has no ``GET_BATCH_STARTED`` handler (each handler costs Ignite's every step) and
+    ``ITERATION_COMPLETED`` publishes the step whole; a hook subscribing in a step's
+    ``AfterStep`` receives ``BeforeStep`` and ``AfterData`` from the next step on, in their
+    places, and the handler goes once it unsubscribes.  The rows of every step arrive once."""
+    from ignite.engine import Events as IgniteEvents
+
+    from recis_async.adapters.ignite import attach
+
+    adapter: Any = None
+    engine: Any = None
+    late = Late(
+        lambda: engine.has_event_handler(adapter._batch_started, IgniteEvents.GET_BATCH_STARTED)
+    )
+    hooks, _, published = ps.job_hooks(tmp_path, late)
+
+    def attached(e: Any) -> Any:
+        nonlocal engine, adapter
+        engine, adapter = e, attach(e, hooks)
+        return adapter
+
+    ps.ignite_job(tmp_path, attached, rows=ps.ROWS * 6)
+    assert late.seen == [
+        "AfterStep0",
+        "AfterStep1",
+        *("BeforeStep2", "AfterData2", "AfterStep2"),
+        *("BeforeStep3", "AfterData3", "AfterStep3"),
+        "AfterStep4",
+        "AfterStep5",
+    ]
+    assert late.followed == [False, False, True, True, False, False]
+    assert published.steps == list(range(6))
+    ps.check_delivered(tmp_path, published.steps)
+
+
+def test_lightning_calls_the_callbacks_inside_a_step_only_while_a_hook_receives_their_events(
+    tmp_path: Path,
+) -> None:
+    """Lightning calls every callback at every point of a step, inside a profiler context,
+    unless the callback's attribute is not callable: the adapter's points that publish nothing
+    now are not called at all (read from Lightning's own profiler, which names each callback
+    call), ``on_before_backward`` / ``on_before_zero_grad`` never; a hook subscribing in a
+    step's ``AfterStep`` receives ``BeforeStep``, ``AfterData`` and ``AfterBackward`` from the
+    next step on, in their order.  The rows of every step arrive once."""
+    from lightning.pytorch.profilers import Profiler
+
+    from recis_async.adapters.lightning import RecisCallback
+
+    class Calls(Profiler):
+        """Counts Lightning's calls of the adapter's callback points."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: dict[str, int] = {}
+
+        def start(self, action_name: str) -> None:
+            if action_name.startswith("[Callback]RecisCallback"):
+                point = action_name.rsplit(".", 1)[1]
+                self.calls[point] = self.calls.get(point, 0) + 1
+
+        def stop(self, action_name: str) -> None:
+            pass
+
+    calls = Calls()
+    late = Late(lambda: calls.calls.get("on_after_backward", 0))
+    hooks, _, published = ps.job_hooks(tmp_path, late)
+    ps.lightning_job(tmp_path, RecisCallback(hooks), rows=ps.ROWS * 6, profiler=calls)
+    assert late.seen == [
+        "AfterStep0",
+        "AfterStep1",
+        *("BeforeStep2", "AfterData2", "AfterBackward2", "AfterStep2"),
+        *("BeforeStep3", "AfterData3", "AfterBackward3", "AfterStep3"),
+        "AfterStep4",
+        "AfterStep5",
+    ]
+    # on_after_backward's calls counted at each step's end: in steps 2 and 3 only
+    assert late.followed == [0, 0, 1, 2, 2, 2]
+    assert calls.calls["on_train_batch_end"] == 6
+    assert calls.calls["on_train_batch_start"] == 2
+    assert calls.calls["on_after_backward"] == 2
+    for point in ("on_before_backward", "on_before_zero_grad", "on_before_optimizer_step"):
+        assert point not in calls.calls, calls.calls
+    assert published.steps == list(range(6))
+    ps.check_delivered(tmp_path, published.steps)
+
+
+def test_what_a_lightning_step_logs_is_in_its_after_step_metrics(tmp_path: Path) -> None:
+    """``self.log(..., on_step=True)`` in the training step (the job logs twice the loss)
+    reaches that step's ``AfterStep.metrics`` beside the loss, on every step."""
+    from recis_async.adapters.lightning import RecisCallback
+
+    seen: list[dict[str, Any]] = []
+
+    class Metrics(Hook):
+        def after_step(self, event: AfterStep) -> None:
+            seen.append(dict(event.metrics))
+
+    ps.lightning_job(tmp_path, RecisCallback([Metrics()]), rows=ps.ROWS * 3)
+    assert len(seen) == 3
+    for metrics in seen:
+        assert sorted(metrics) == ["double_loss", "loss"], metrics
+        assert metrics["double_loss"] == pytest.approx(2 * metrics["loss"])
+
+
+def test_a_lightning_callback_subclass_keeps_its_own_step_callbacks(tmp_path: Path) -> None:
+    """The callback hides the points of a step that publish nothing, but never a subclass's
+    own override of one: Lightning calls it on every step."""
+    from recis_async.adapters.lightning import RecisCallback
+
+    calls: list[str] = []
+
+    class Mine(RecisCallback):
+        def on_before_zero_grad(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            calls.append("zero_grad")
+
+        def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+            calls.append("backward")
+            super().on_after_backward(trainer, pl_module)
+
+    ps.lightning_job(tmp_path, Mine([Events()]), rows=ps.ROWS * 3)
+    assert sorted(calls) == ["backward"] * 3 + ["zero_grad"] * 3

@@ -167,3 +167,58 @@ def test_a_failure_waiting_at_a_step_boundary_is_raised_when_the_next_step_begin
         one_step(driver, 0)
         with pytest.raises(HookError, match="the disk is full"):
             driver.begin_step(True, 1, 1, 0)
+
+
+def test_a_whole_step_publishes_its_after_step_and_a_before_step_only_if_received() -> None:
+    """A step the adapter sees only at its end (its framework's callbacks inside the step not
+    followed): ``AfterStep`` with the loss and the step's own values; ``BeforeStep`` first
+    only once a hook receives it."""
+    hook = Seen()
+    with SyncHookBus(handle_signals=False) as bus:
+        got: list[tuple[int, int, int, int, dict[str, Any]]] = []
+        bus.subscribe(
+            AfterStep,
+            lambda e: got.append((e.global_step, e.local_step, e.epoch, e.samples, e.metrics)),
+        )
+        driver = Driver("test", [hook], bus, 10.0, False)
+        driver.start()
+        add_metric("lr", 0.1)
+        assert driver.whole_step(True, 7, 2, 1, 4, 0.5, {"acc": 0.75}) is False
+        assert got == [(7, 2, 1, 4, {"lr": 0.1, "loss": 0.5, "acc": 0.75})]
+        late = Seen(BeforeStep)
+        bus.add_hook(late)
+        driver.whole_step(True, 8, 3, 1, 4)
+        assert late.seen == [("BeforeStep", 8), ("AfterStep", 8)]
+    assert hook.seen == [("AfterStep", 7), ("AfterStep", 8)]
+
+
+def test_a_whole_step_raises_a_failure_its_publish_recorded_before_another_step_runs() -> None:
+    """With no callback at a step's beginning, a service's failure recorded while the step
+    was published is raised at that step's end: the framework runs no further step."""
+    with SyncHookBus(handle_signals=False) as bus:
+        steps: list[int] = []
+        bus.subscribe(AfterStep, lambda e: steps.append(e.global_step))
+        driver = Driver("test", [ServiceFailsAfterFirstStep()], bus, 10.0, False)
+        driver.start()
+        with pytest.raises(HookError, match="the disk is full"):
+            driver.whole_step(True, 0, 0, 0, 4)
+        assert steps == [0]
+
+
+def test_training_steps_after_an_evaluation_carry_none_of_its_values() -> None:
+    """Evaluation steps are begun by a callback; when the evaluation ends, values it left are
+    dropped, so a training step published whole (no callback at its beginning to switch
+    the bus back) carries only its own."""
+    with SyncHookBus(handle_signals=False) as bus:
+        metrics: list[tuple[bool, list[str]]] = []
+        bus.subscribe(AfterStep, lambda e: metrics.append((e.is_train, sorted(e.metrics))))
+        driver = Driver("test", [Seen()], bus, 10.0, False)
+        driver.start()
+        driver.begin_step(False, 0, 0, 0)  # an evaluation step
+        add_metric("eval_acc", 1.0)
+        driver.end_step(4)
+        add_metric("stray", 1.0)  # after the last evaluation step: belongs to no step
+        driver.after_eval(0, 1, {})
+        add_metric("lr", 0.1)  # the training step's own
+        driver.whole_step(True, 0, 0, 0, 4, 0.5)
+        assert metrics == [(False, ["eval_acc"]), (True, ["loss", "lr"])]
