@@ -41,8 +41,9 @@ profiler context, whether the callback overrides the point or not; it skips an a
 is not callable.  So the callback hides from Lightning the points of a training step that
 publish nothing now: ``on_before_backward`` and ``on_before_zero_grad`` always;
 ``on_train_batch_start``, ``on_after_backward`` and ``on_before_optimizer_step`` while no hook
-receives what they publish (``on_train_batch_end`` then publishes the step whole).  A hook subscribing during the run receives them from the
-next step on.  A subclass's own override of one of them is always called.
+receives what they publish (``on_train_batch_end`` then publishes the step whole).  A hook
+subscribing during the run receives them from the next step on.  A subclass's own override of
+one of them is always called.
 """
 
 from __future__ import annotations
@@ -114,9 +115,9 @@ class RecisCallback(Adapter, pl.Callback):
     def _follow(self) -> None:
         """Hide from Lightning the callbacks inside a training step that publish nothing now
         (an attribute that is not callable shadows the method), and show them again when a
-        hook subscribes: Lightning's call of each costs every step ~150 bytecodes of its own
-        (a profiler context, the hook's name formatted).  Called when the stage starts and
-        after each step's ``AfterStep`` (where hooks subscribe)."""
+        hook subscribes: Lightning's call of each costs every step a profiler context and the
+        hook's name formatted, whether the callback publishes anything or not.  Called when
+        the stage starts and after each step's ``AfterStep`` (where hooks subscribe)."""
         wants = self._driver.inside()
         if wants is self._followed:
             return
@@ -301,9 +302,9 @@ def _logged_on_step(trainer: pl.Trainer) -> dict[str, Any]:
     """What the training step logged with ``self.log(..., on_step=True)``, as Lightning holds
     it for this step (tensors, not read).  Lightning's public ``callback_metrics`` converts
     progress-bar values to numbers (a device read), so its result collection is read
-    instead: the training loop's own (``trainer._results`` works out which loop is active,
-    by comparing enums, ~100 bytecodes a step); an unknown layout of it gives nothing rather
-    than failing the step."""
+    instead: the training loop's own (``trainer._results`` works out which loop is active by
+    comparing enums, on every step); an unknown layout of it gives nothing rather than
+    failing the step."""
     try:
         results = trainer.fit_loop.epoch_loop._results
     except AttributeError:
