@@ -45,9 +45,21 @@ p50, in µs and in % of the framework's step.
 ``--hidden`` sets the step: the issue's job is a ~4 ms step (``--hidden 384`` on the 2-core
 VM of 2026-11; the default 256 was ~3.5 ms on the VM it was written on, ~1.8 ms there).
 
+``--paired BLOCKS`` measures what an adapter adds to its framework's step inside one process
+instead, where fresh processes cannot resolve it (each runs at its own speed; the frameworks'
+own work besides the model moves with it by more than the adapter costs): per framework
+config, ``--reps`` processes, each running one job not counted (the process's one-off costs:
+imports, the first full garbage collections), then BLOCKS jobs without the adapter
+alternated with BLOCKS with it (``<framework>+adapter``; a bare ``<framework>``: without it
+on both sides, the A/A).  Each job's step-thread CPU besides the model is read at that job's
+own speed (as a share of its model time); printed per config: the median over every pair, in
+µs and in % of the framework's step p50, the 95 % interval of that median, and the step
+thread's garbage collection a step on each side.
+
     python benchmarks/bench_peers.py [--reps 6] [--steps 1500] [--only trainer,own,...]
     python benchmarks/bench_peers.py --quick          # every config once, a few steps
     python benchmarks/bench_peers.py --only trainer,own --compare <checkout>  # before/after
+    python benchmarks/bench_peers.py --paired 6 --reps 3 --steps 400 --only ignite,ignite+adapter
 """
 
 from __future__ import annotations
