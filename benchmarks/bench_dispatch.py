@@ -69,7 +69,10 @@ def plain_loop(n_hooks: int, events: int) -> float:
 
 
 async def bus_loop(
-    hook_cls: type[Numbered], n_hooks: int, events: int, clock: Callable[[], float] = time.perf_counter
+    hook_cls: type[Numbered],
+    n_hooks: int,
+    events: int,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> float:
     event = AfterStep(global_step=1, samples=512)
     async with HookBus() as bus:
@@ -112,7 +115,9 @@ def async_bus_run(hook_cls: type[Numbered], n_hooks: int, events: int, backend: 
 
 def sync_rows(events: int, repeats: int) -> bool:
     """The synchronous bus against the async one; prints the table and the verdict."""
-    print(f"\n{'backend':8} {'kind':5} {'subs':>4} {'sync us':>8} {'async us':>9} {'sync/async':>11}")
+    print(
+        f"\n{'backend':8} {'kind':5} {'subs':>4} {'sync us':>8} {'async us':>9} {'sync/async':>11}"
+    )
     ok = True
     for backend in ("asyncio", "trio"):
         for kind, cls in (("sync", SyncHook), ("async", AsyncHook)):  # type: type[Numbered]

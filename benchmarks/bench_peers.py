@@ -45,9 +45,21 @@ p50, in µs and in % of the framework's step.
 ``--hidden`` sets the step: the issue's job is a ~4 ms step (``--hidden 384`` on the 2-core
 VM of 2026-11; the default 256 was ~3.5 ms on the VM it was written on, ~1.8 ms there).
 
+``--paired BLOCKS`` measures what an adapter adds to its framework's step inside one process
+instead, where fresh processes cannot resolve it (each runs at its own speed; the frameworks'
+own work besides the model moves with it by more than the adapter costs): per framework
+config, ``--reps`` processes, each running one job not counted (the process's one-off costs:
+imports, the first full garbage collections), then BLOCKS jobs without the adapter
+alternated with BLOCKS with it (``<framework>+adapter``; a bare ``<framework>``: without it
+on both sides, the A/A).  Each job's step-thread CPU besides the model is read at that job's
+own speed (as a share of its model time); printed per config: the median over every pair, in
+µs and in % of the framework's step p50, the 95 % interval of that median, and the step
+thread's garbage collection a step on each side.
+
     python benchmarks/bench_peers.py [--reps 6] [--steps 1500] [--only trainer,own,...]
     python benchmarks/bench_peers.py --quick          # every config once, a few steps
     python benchmarks/bench_peers.py --only trainer,own --compare <checkout>  # before/after
+    python benchmarks/bench_peers.py --paired 6 --reps 3 --steps 400 --only ignite,ignite+adapter
 """
 
 from __future__ import annotations
@@ -58,6 +70,7 @@ _T0 = time.perf_counter()  # before the heavy imports: the child's import time c
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import os  # noqa: E402
 import resource  # noqa: E402
 import statistics  # noqa: E402
@@ -103,6 +116,28 @@ class Clock:
         self.thread: list[float] = []  # the step thread's own CPU (the background threads' not)
         self.model: list[int] = []  # the model's own thread CPU so far, ns (see time_the_model)
         self.model_ns = 0
+        self.gc: list[int] = []  # the step thread's garbage collection so far, ns
+        self.gc_ns = 0
+        self.gc_started = 0
+
+    def count_gc(self) -> None:
+        """Time this thread's garbage collections into ``gc_ns`` (a full one, over the heap
+        that torch and a framework import, takes ~0.1 s: a few in a run are a share of its
+        steps' time that moves from run to run)."""
+        import gc
+        import threading
+
+        thread = threading.get_ident()
+
+        def timed(phase: str, info: dict[str, int]) -> None:
+            if threading.get_ident() != thread:
+                return
+            if phase == "start":
+                self.gc_started = time.thread_time_ns()
+            else:
+                self.gc_ns += time.thread_time_ns() - self.gc_started
+
+        gc.callbacks.append(timed)
 
 
 def time_the_model(torch: Any, mlp: Any, clock: Clock) -> None:
@@ -195,6 +230,7 @@ def make_net(
                 clock.cpu.append(time.process_time())
                 clock.thread.append(time.thread_time())
                 clock.model.append(clock.model_ns)
+                clock.gc.append(clock.gc_ns)
             loss = torch.nn.functional.mse_loss(self.mlp(x), y)
             if self.training:
                 if record is not None:
@@ -229,6 +265,7 @@ def child(config: str, out: Path, steps: int, hidden: int) -> dict[str, Any]:
     log = logging.getLogger("bench")
     clock = Clock()
     time_the_model(torch, mlp, clock)
+    clock.count_gc()
     adapter = config.endswith("+adapter")
     runner = globals()[f"run_{framework.replace('-', '_')}"]
     runner(torch, mlp, batches, clock, out, log, adapter)
@@ -240,12 +277,61 @@ def child(config: str, out: Path, steps: int, hidden: int) -> dict[str, Any]:
         "cpu_ms": 1e3 * (clock.cpu[-1] - clock.cpu[WARMUP]) / (len(times) - WARMUP - 1),
         "model_ms": 1e-6 * (clock.model[-1] - clock.model[WARMUP]) / (len(times) - WARMUP - 1),
         "thread_ms": 1e3 * (clock.thread[-1] - clock.thread[WARMUP]) / (len(times) - WARMUP - 1),
+        "gc_ms": 1e-6 * (clock.gc[-1] - clock.gc[WARMUP]) / (len(times) - WARMUP - 1),
         "p50_ms": 1e3 * gaps[len(gaps) // 2],
         "p99_ms": 1e3 * gaps[min(len(gaps) - 1, int(len(gaps) * 0.99))],
         "import_s": imported,
         "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "steps": len(times),
     }
+
+
+def paired_child(config: str, out: Path, steps: int, hidden: int, blocks: int) -> dict[str, Any]:
+    """A framework's job without its adapter (side ``a``) and, for ``<framework>+adapter``,
+    with it (side ``b``; for a bare ``<framework>``, without it again: the A/A), ``blocks``
+    times each, alternated (the order swapped from one pair to the next) in this one process.
+    The process's own speed -- its memory layout, its hash seed, the machine's minute -- is
+    then the same on both sides, so a pair's difference is the adapter's, not that of two
+    processes.  Each block is a whole job over the same batches (its own model wrapper,
+    optimizer, framework objects, bus and outputs); per block: the step thread's CPU besides
+    the model, and the step p50."""
+    import logging
+
+    torch, mlp, batches = build(hidden, steps)
+    import recis_async  # noqa: F401
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    log = logging.getLogger("bench")
+    clock = Clock()
+    time_the_model(torch, mlp, clock)  # once: it wraps the model's functions for good
+    clock.count_gc()
+    framework = config.split("+")[0]
+    runner = globals()[f"run_{framework}"]
+    sides = {"a": False, "b": config.endswith("+adapter")}
+    # A first job, not counted: the process's one-off costs (the framework's and the
+    # adapter's lazy imports, the first full garbage collection of what they allocated) are
+    # not a step's; the fresh-process runs show them (import time, process wall time).
+    (out / "first").mkdir()
+    runner(torch, mlp, batches, clock, out / "first", log, sides["b"])
+    pairs: list[dict[str, float]] = []
+    for block in range(blocks):
+        pair: dict[str, float] = {}
+        for side in ("a", "b") if block % 2 == 0 else ("b", "a"):
+            clock.times, clock.cpu, clock.thread, clock.model, clock.gc = [], [], [], [], []
+            where = out / f"{block}{side}"
+            where.mkdir()
+            runner(torch, mlp, batches, clock, where, log, sides[side])
+            n = len(clock.times) - WARMUP - 1
+            pair[f"{side}_gc_us"] = 1e-3 * (clock.gc[-1] - clock.gc[WARMUP]) / n
+            thread = (clock.thread[-1] - clock.thread[WARMUP]) / n
+            model = 1e-9 * (clock.model[-1] - clock.model[WARMUP]) / n
+            times = clock.times[WARMUP:]
+            gaps = sorted(b - a for a, b in zip(times, times[1:], strict=False))
+            pair[f"{side}_us"] = 1e6 * (thread - model)
+            pair[f"{side}_model_us"] = 1e6 * model
+            pair[f"{side}_p50_ms"] = 1e3 * gaps[len(gaps) // 2]
+        pairs.append(pair)
+    return {"config": config, "pairs": pairs}
 
 
 def _trace_hooks(out: Path) -> list[Any]:
@@ -544,6 +630,8 @@ def run_one(label: str, args: argparse.Namespace) -> dict[str, Any]:
         }
         argv = [sys.executable, __file__, "--child", config, "--out", tmp]
         argv += ["--steps", str(args.steps), "--hidden", str(args.hidden)]
+        if args.paired:
+            argv += ["--paired", str(args.paired)]
         started = time.perf_counter()
         with open(Path(tmp) / "stderr.txt", "w") as err:
             proc = subprocess.run(
@@ -666,6 +754,68 @@ def adapters(results: dict[str, list[dict[str, Any]]]) -> str:
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
+def median_interval(values: list[float]) -> tuple[float, float]:
+    """A 95 % interval of the median of ``values``, free of any assumed distribution: the
+    order statistics between which the median lies with probability >= 0.95 (the sign test's
+    binomial), or the whole range where there are too few values for that."""
+    ordered, n = sorted(values), len(values)
+    k, below = 0, 0.0  # k: how many values may lie below the interval
+    while True:
+        below += math.comb(n, k) / 2**n
+        if below > 0.025:
+            break
+        k += 1
+    if k == 0:
+        return ordered[0], ordered[-1]
+    return ordered[k - 1], ordered[n - k]
+
+
+def paired_report(results: dict[str, list[dict[str, Any]]]) -> str:
+    """``--paired``: per config, what side ``b`` (the adapter; for a bare framework the same
+    job again, the A/A) adds to the step thread's CPU besides the model, over every pair of
+    every process: the median in µs and in % of the framework's step p50, its 95 % interval,
+    the range, each process's own median; then the garbage collection a step on each side.
+
+    A block's figures are read at that block's speed: this VM's speed moves by a third from
+    one minute to the next, the model's compute and the Python around it alike.  So each
+    side's cost is taken as a share of its own block's model time and brought back to µs at
+    the framework's median model time: ``(b / b_model - a / a_model) x median(a_model)``.
+    (That counts what the adapter does on the step, not a slowdown it would cause the
+    model's own compute.)  The raw difference ``b - a`` is given beside it."""
+    lines = [
+        "| config | adds to the step thread, median | 95 % interval of the median "
+        "| pairs: range | each process's median | raw b − a, median (range) "
+        "| garbage collection a step, a / b |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for config, runs in results.items():
+        pairs = [p for run in runs for p in run["pairs"]]
+        model = statistics.median(p["a_model_us"] for p in pairs)
+
+        def added(p: dict[str, float], model: float = model) -> float:
+            return (p["b_us"] / p["b_model_us"] - p["a_us"] / p["a_model_us"]) * model
+
+        diffs = [added(p) for p in pairs]
+        raw = [p["b_us"] - p["a_us"] for p in pairs]
+        step_us = 1e3 * statistics.median(p["a_p50_ms"] for p in pairs)
+        low, high = median_interval(diffs)
+        median = statistics.median(diffs)
+        each = ", ".join(
+            f"{statistics.median(added(p) for p in run['pairs']):+.0f}" for run in runs
+        )
+        gc_a = statistics.median(p["a_gc_us"] for p in pairs)
+        gc_b = statistics.median(p["b_gc_us"] for p in pairs)
+        lines.append(
+            f"| {config} (step p50 {step_us / 1e3:.2f} ms) | {median:+.0f} µs = "
+            f"{100 * median / step_us:+.1f} % | {low:+.0f} to {high:+.0f} µs = "
+            f"{100 * low / step_us:+.1f} to {100 * high / step_us:+.1f} % "
+            f"| {min(diffs):+.0f} to {max(diffs):+.0f} ({len(diffs)}) | {each} "
+            f"| {statistics.median(raw):+.0f} ({min(raw):+.0f} to {max(raw):+.0f}) "
+            f"| {gc_a:.0f} / {gc_b:.0f} µs |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -688,9 +838,24 @@ def main() -> None:
         help="also run every config but plain with the recis_async of the checkout DIR "
         "(rows 'config@DIR'), alternated with the others in every repetition",
     )
+    parser.add_argument(
+        "--paired",
+        type=int,
+        metavar="BLOCKS",
+        help="instead: each framework config runs as a process alternating BLOCKS jobs "
+        "without the adapter with BLOCKS jobs with it ('<framework>+adapter'; a bare "
+        "'<framework>': without it on both sides, the A/A), --reps processes a config",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child and args.paired:
+        print(
+            json.dumps(
+                paired_child(args.child, Path(args.out), args.steps, args.hidden, args.paired)
+            )
+        )
+        return
     if args.child:
         print(json.dumps(child(args.child, Path(args.out), args.steps, args.hidden)))
         return
@@ -699,8 +864,12 @@ def main() -> None:
     configs = list(CONFIGS)
     if args.only:  # plain and plain-again (the A/A row: the resolution) are always run
         asked = [c for n in args.only.split(",") for c in ALIASES.get(n.strip(), [n.strip()])]
-        configs = ["plain", "plain-again"]
+        configs = [] if args.paired else ["plain", "plain-again"]
         configs += [c for c in dict.fromkeys(asked) if c not in configs]
+    if args.paired:  # a framework's job without and with its adapter, in one process
+        configs = [c for c in configs if c.split("+")[0] in ("lightning", "hf", "ignite")]
+        if args.compare:
+            parser.error("--paired compares within a process; it takes no --compare")
     unknown = [c for c in configs if c not in CONFIGS]  # (before the --compare labels)
     if unknown:
         parser.error(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
@@ -718,6 +887,15 @@ def main() -> None:
         for config in order:
             r = run_one(config, args)
             results[config].append(r)
+            if args.paired:
+                print(
+                    f"rep {rep + 1}/{args.reps} {config:18s} "
+                    + " ".join(f"{p['b_us'] - p['a_us']:+.0f}" for p in r["pairs"])
+                    + f" µs wall {r['wall_s']:.1f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                continue
             print(
                 f"rep {rep + 1}/{args.reps} {config:18s} {r['steps_per_s']:7.1f} steps/s "
                 f"p50 {r['p50_ms']:.2f} ms wall {r['wall_s']:.1f} s",
@@ -726,6 +904,9 @@ def main() -> None:
             )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.paired:
+        print(paired_report(results))
+        return
     print(report(results, args.reps))
     print("\nµs of CPU a step besides the model, within each repetition:\n" + paired(results))
     added = adapters(results)

@@ -141,9 +141,8 @@ def one_rank(args: argparse.Namespace) -> None:
 
 
 def rank_main(args: argparse.Namespace) -> None:
-    import torch.distributed as tdist
-
     import torch._dynamo  # noqa: F401  (see tests/scripts/dist_train.py)
+    import torch.distributed as tdist
 
     tdist.init_process_group("gloo")
     rank = tdist.get_rank()

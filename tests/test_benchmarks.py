@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -126,6 +127,53 @@ def test_bench_peers_pairs_each_repetitions_configs() -> None:
         "plain-again": ["+0 (+20, -20)", "–"],
         "own": ["+135 (+190, +80)", "-125 (-100, -150)"],
     }, table
+
+
+def _bench_peers() -> Any:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_peers
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return bench_peers
+
+
+def test_bench_peers_median_interval_is_the_sign_tests() -> None:
+    """The 95 % interval of a median from order statistics: with 18 values the 5th and the
+    14th (P(Binomial(18, 1/2) <= 4) = 0.015 <= 0.025 < P(<= 5)); with 8 or fewer, none is
+    excluded (P(<= 1) = 0.035 already)."""
+    interval = _bench_peers().median_interval
+    assert interval([float(v) for v in range(18, 0, -1)]) == (5.0, 14.0)
+    assert interval([3.0, 1.0, 2.0, 8.0, 5.0, 4.0, 7.0, 6.0]) == (1.0, 8.0)
+    assert interval([2.0]) == (2.0, 2.0)
+
+
+def test_bench_peers_paired_report_reads_each_block_at_its_speed() -> None:
+    """``--paired``: a job's cost besides the model is read as a share of its own model time,
+    so blocks run at different speeds (the VM's minute) give the adapter's cost at the
+    framework's median model time, where the raw difference gives the speed's."""
+
+    def pair(speed_a: float, speed_b: float) -> dict[str, float]:
+        model, framework, adapter = 3000.0, 400.0, 100.0  # µs a step at speed 1
+        return {
+            "a_us": speed_a * framework,
+            "a_model_us": speed_a * model,
+            "a_p50_ms": speed_a * (model + framework) / 1e3,
+            "a_gc_us": 0.0,
+            "b_us": speed_b * (framework + adapter),
+            "b_model_us": speed_b * model,
+            "b_p50_ms": speed_b * (model + framework + adapter) / 1e3,
+            "b_gc_us": 2.0,
+        }
+
+    runs = [{"pairs": [pair(1.0, 1.3), pair(1.3, 1.0), pair(1.0, 1.0)]}]
+    table = _bench_peers().paired_report({"ignite+adapter": runs})
+    row = table.splitlines()[2].split("|")
+    assert row[1].strip() == "ignite+adapter (step p50 3.40 ms)", table
+    assert row[2].strip() == "+100 µs = +2.9 %", table
+    assert row[4].strip() == "+100 to +100 (3)", table
+    assert row[6].strip() == "+100 (-20 to +250)", table  # raw: the speed's, not the adapter's
+    assert row[7].strip() == "0 / 2 µs", table
 
 
 @pytest.mark.slow

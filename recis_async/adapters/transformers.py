@@ -17,7 +17,12 @@ what each publishes (reference order):
                                run the hook states saved beside the checkpoint are restored
                                (``AfterLoadCheckpoint``)
 ``on_epoch_begin``             ``BeforeEpoch``
-``on_step_begin``              ``BeforeStep``, ``AfterData`` (the batches are fetched already)
+``on_step_begin``              ``BeforeStep``, ``AfterData`` (the batches are fetched already).
+                               While no hook receives an event from inside a step (these,
+                               ``AfterBackward``, the optimizer-step pair), the step is
+                               published whole at its end instead (with a ``BeforeStep`` if
+                               one is received by then) and the three callbacks below
+                               publish nothing
 ``on_substep_end``             ``AfterBackward(sync=False)`` (a micro-batch without an update)
 ``on_pre_optimizer_step``      ``AfterBackward(sync=True)``, ``BeforeOptimizerStep``
                                (gradients final and clipped)
@@ -105,6 +110,10 @@ class RecisTrainerCallback(Adapter, transformers.TrainerCallback):
         self._epoch = 0
         self._local = 0
         self._pending = False  # on_step_end came; AfterStep waits for on_log
+        # where the training step under way is: (global_step, local_step, epoch)
+        self._place: tuple[int, int, int] = (0, 0, 0)
+        self._inside: Mapping[Any, bool] = {}  # Driver.inside() when last asked
+        self._follow = False  # whether a hook receives an event from inside a step
         self._state: transformers.TrainerState | None = None
         self._control: transformers.TrainerControl | None = None
 
@@ -193,7 +202,13 @@ class RecisTrainerCallback(Adapter, transformers.TrainerCallback):
     ) -> None:
         self._flush(control)
         self._loss, self._micro, self._samples = None, 0, 0
-        self._driver.begin_step(True, state.global_step, self._local, self._epoch)
+        self._place = place = (state.global_step, self._local, self._epoch)
+        inside = self._driver.inside()
+        if inside is not self._inside:  # the bus's subscriptions changed (or a new bus)
+            self._inside, self._follow = inside, True in inside.values()
+        if self._follow:
+            self._driver.begin_step(True, *place)
+        # else: nothing inside the step is received; _flush publishes it whole at its end
 
     def on_substep_end(
         self,
@@ -202,7 +217,8 @@ class RecisTrainerCallback(Adapter, transformers.TrainerCallback):
         control: transformers.TrainerControl,
         **kwargs: Any,
     ) -> None:
-        self._driver.after_backward(sync=False)
+        if self._driver.step is not None:  # (none while nothing inside a step is received)
+            self._driver.after_backward(sync=False)
 
     def on_pre_optimizer_step(
         self,
@@ -211,8 +227,9 @@ class RecisTrainerCallback(Adapter, transformers.TrainerCallback):
         control: transformers.TrainerControl,
         **kwargs: Any,
     ) -> None:
-        self._driver.after_backward(sync=True)
-        self._driver.before_optimizer_step(_optimizers(kwargs))
+        if self._driver.step is not None:
+            self._driver.after_backward(sync=True)
+            self._driver.before_optimizer_step(_optimizers(kwargs))
 
     def on_optimizer_step(
         self,
@@ -221,7 +238,8 @@ class RecisTrainerCallback(Adapter, transformers.TrainerCallback):
         control: transformers.TrainerControl,
         **kwargs: Any,
     ) -> None:
-        self._driver.after_optimizer_step(_optimizers(kwargs))
+        if self._driver.step is not None:
+            self._driver.after_optimizer_step(_optimizers(kwargs))
 
     def on_step_end(
         self,
@@ -256,7 +274,12 @@ class RecisTrainerCallback(Adapter, transformers.TrainerCallback):
         if loss is not None and self._micro > 1:
             loss = loss / self._micro
         self._loss = None
-        if self._driver.end_step(self._samples, loss, logs):
+        driver = self._driver
+        if driver.step is not None:
+            stop = driver.end_step(self._samples, loss, logs)
+        else:  # a training step on_step_begin did not begin (see on_step_begin)
+            stop = driver.whole_step(True, *self._place, self._samples, loss, logs)
+        if stop:
             control.should_training_stop = True
 
     def on_epoch_end(

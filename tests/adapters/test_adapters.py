@@ -349,6 +349,57 @@ def test_ignite_handles_get_batch_started_only_while_a_hook_receives_an_event_in
     ps.check_delivered(tmp_path, published.steps)
 
 
+def test_hugging_face_begins_a_step_at_its_start_only_while_a_hook_receives_an_event_inside_it(
+    tmp_path: Path,
+) -> None:
+    """Hugging Face calls every callback at every point of a step: while no hook receives
+    ``BeforeStep`` or another event from inside the step, ``on_step_begin`` publishes nothing
+    and the step is published whole when it ends (on a logging step, at ``on_log``, with what
+    the ``Trainer`` logged); a hook subscribing in a step's ``AfterStep`` receives
+    ``BeforeStep``, ``AfterData`` and ``AfterBackward`` from the next step on, in their order.
+    The rows of every step arrive once."""
+    from recis_async.adapters.transformers import RecisTrainerCallback
+
+    begun: list[bool] = []  # the driver's begin_step calls in the step under way
+
+    def probe() -> bool:
+        was = bool(begun)
+        begun.clear()
+        return was
+
+    late = Late(probe)
+    metrics: list[dict[str, Any]] = []
+
+    class Logged(Hook):
+        def after_step(self, event: AfterStep) -> None:
+            metrics.append(dict(event.metrics))
+
+    hooks, _, published = ps.job_hooks(tmp_path, late, Logged())
+    callback = RecisTrainerCallback(hooks)
+    begin_step = callback._driver.begin_step
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        begun.append(True)
+        begin_step(*args, **kwargs)
+
+    callback._driver.begin_step = counted
+    ps.hf_job(tmp_path, callback, rows=ps.ROWS * 6)
+    assert late.seen == [
+        "AfterStep0",
+        "AfterStep1",
+        *("BeforeStep2", "AfterData2", "AfterBackward2", "AfterStep2"),
+        *("BeforeStep3", "AfterData3", "AfterBackward3", "AfterStep3"),
+        "AfterStep4",
+        "AfterStep5",
+    ]
+    assert late.followed == [False, False, True, True, False, False]
+    assert published.steps == list(range(6))
+    # logging_steps=3: the steps ending at global steps 3 and 6 carry what the Trainer logged
+    assert ["learning_rate" in m for m in metrics] == [False, False, True, False, False, True]
+    assert all("loss" in m for m in metrics)
+    ps.check_delivered(tmp_path, published.steps)
+
+
 def test_lightning_calls_the_callbacks_inside_a_step_only_while_a_hook_receives_their_events(
     tmp_path: Path,
 ) -> None:

@@ -40,3 +40,28 @@ def test_bench_peers_quick_runs_every_path(tmp_path: Path) -> None:
     for framework in ("lightning", "hf", "ignite"):  # step thread, whole process, p50
         row = next(line for line in added.splitlines() if line.startswith(f"| {framework}+"))
         assert row.count(" µs = ") == 3, row
+
+
+@pytest.mark.slow
+def test_bench_peers_paired_alternates_the_jobs_in_one_process(tmp_path: Path) -> None:
+    """``--paired``: one process per config and repetition, a job not counted, then jobs
+    without and with the adapter alternated; every job's figures are reported, the A/A row
+    (the bare framework) beside the adapter's."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_peers.py"), "--paired", "2",
+         "--reps", "1", "--steps", "80", "--hidden", "16", "--only", "ignite,ignite+adapter"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ignite")]
+    assert [row.split("(")[0].strip("| ") for row in rows] == ["ignite", "ignite+adapter"]
+    for row in rows:
+        cells = row.split("|")
+        assert cells[4].strip().endswith("(2)"), row  # both pairs of the one process
+        assert " µs = " in cells[2] and cells[7].strip().endswith("µs"), row
+    # the processes' jobs: stderr lists each config's pairs, both repetitions' worth
+    assert proc.stderr.count("rep 1/1 ignite") == 2, proc.stderr[-3000:]
