@@ -310,6 +310,16 @@ class Late(Hook):
     def record(self, event: Any) -> None:
         self.seen.append(f"{type(event).__name__}{event.global_step}")
 
+    @staticmethod
+    def expected(*inside: str) -> list[str]:
+        """What it records over a six-step job whose adapter publishes the events ``inside``
+        from inside a step: every ``AfterStep``, and those events before it in steps 2-3."""
+        seen: list[str] = []
+        for step in range(6):
+            seen += [f"{name}{step}" for name in inside] if step in (2, 3) else []
+            seen.append(f"AfterStep{step}")
+        return seen
+
 
 def test_ignite_handles_get_batch_started_only_while_a_hook_receives_an_event_inside_the_step(
     tmp_path: Path,
@@ -336,14 +346,7 @@ def test_ignite_handles_get_batch_started_only_while_a_hook_receives_an_event_in
         return adapter
 
     ps.ignite_job(tmp_path, attached, rows=ps.ROWS * 6)
-    assert late.seen == [
-        "AfterStep0",
-        "AfterStep1",
-        *("BeforeStep2", "AfterData2", "AfterStep2"),
-        *("BeforeStep3", "AfterData3", "AfterStep3"),
-        "AfterStep4",
-        "AfterStep5",
-    ]
+    assert late.seen == Late.expected("BeforeStep", "AfterData")
     assert late.followed == [False, False, True, True, False, False]
     assert published.steps == list(range(6))
     ps.check_delivered(tmp_path, published.steps)
@@ -384,14 +387,7 @@ def test_hugging_face_begins_a_step_at_its_start_only_while_a_hook_receives_an_e
 
     callback._driver.begin_step = counted
     ps.hf_job(tmp_path, callback, rows=ps.ROWS * 6)
-    assert late.seen == [
-        "AfterStep0",
-        "AfterStep1",
-        *("BeforeStep2", "AfterData2", "AfterBackward2", "AfterStep2"),
-        *("BeforeStep3", "AfterData3", "AfterBackward3", "AfterStep3"),
-        "AfterStep4",
-        "AfterStep5",
-    ]
+    assert late.seen == Late.expected("BeforeStep", "AfterData", "AfterBackward")
     assert late.followed == [False, False, True, True, False, False]
     assert published.steps == list(range(6))
     # logging_steps=3: the steps ending at global steps 3 and 6 carry what the Trainer logged
@@ -432,14 +428,7 @@ def test_lightning_calls_the_callbacks_inside_a_step_only_while_a_hook_receives_
     late = Late(lambda: calls.calls.get("on_after_backward", 0))
     hooks, _, published = ps.job_hooks(tmp_path, late)
     ps.lightning_job(tmp_path, RecisCallback(hooks), rows=ps.ROWS * 6, profiler=calls)
-    assert late.seen == [
-        "AfterStep0",
-        "AfterStep1",
-        *("BeforeStep2", "AfterData2", "AfterBackward2", "AfterStep2"),
-        *("BeforeStep3", "AfterData3", "AfterBackward3", "AfterStep3"),
-        "AfterStep4",
-        "AfterStep5",
-    ]
+    assert late.seen == Late.expected("BeforeStep", "AfterData", "AfterBackward")
     # on_after_backward's calls counted at each step's end: in steps 2 and 3 only
     assert late.followed == [0, 0, 1, 2, 2, 2]
     assert calls.calls["on_train_batch_end"] == 6
