@@ -164,6 +164,12 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "async_bus_only: not run on SyncHookBus by the either_bus fixture"
     )
+    # A suite started in the background by a shell without job control (`cmd &`, `nohup`)
+    # inherits SIGINT ignored, and so does every process it starts: the tests of Ctrl-C would
+    # see nothing happen.  They run as from a terminal (a handler, unlike an ignored signal,
+    # is not inherited: the children start with the default again).
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)
