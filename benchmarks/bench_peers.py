@@ -121,9 +121,9 @@ class Clock:
         self.gc_started = 0
 
     def count_gc(self) -> None:
-        """Time this thread's garbage collections into ``gc_ns`` (a full one, over the heap
-        that torch and a framework import, takes ~0.1 s: a few in a run are a share of its
-        steps' time that moves from run to run)."""
+        """Time this thread's garbage collections into ``gc_ns``: a full one walks the whole
+        heap that torch and a framework import, so a few in a run are a share of its steps'
+        time that moves from run to run."""
         import gc
         import threading
 
