@@ -63,5 +63,5 @@ def test_bench_peers_paired_alternates_the_jobs_in_one_process(tmp_path: Path) -
         cells = row.split("|")
         assert cells[4].strip().endswith("(2)"), row  # both pairs of the one process
         assert " µs = " in cells[2] and cells[7].strip().endswith("µs"), row
-    # the processes' jobs: stderr lists each config's pairs, both repetitions' worth
+    # stderr has a line per process: each config's one, with its pairs' raw differences
     assert proc.stderr.count("rep 1/1 ignite") == 2, proc.stderr[-3000:]
