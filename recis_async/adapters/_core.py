@@ -108,6 +108,7 @@ class Driver:
         self._wants: dict[type[Event], bool] = dict.fromkeys(
             (BeforeStep, AfterData, AfterBackward, BeforeOptimizerStep, AfterOptimizerStep), False
         )
+        self._any_inside = False  # whether any of them has
 
     # ------------------------------------------------------------------ the bus
     def __enter__(self) -> SyncHookBus:
@@ -192,6 +193,7 @@ class Driver:
             return
         self._generation = generation
         self._wants = {kind: bus.has_subscribers(kind) for kind in self._wants}
+        self._any_inside = True in self._wants.values()
 
     def inside(self) -> Mapping[type[Event], bool]:
         """Which events from inside a step (``BeforeStep``, ``AfterData``, ``AfterBackward``,
@@ -205,6 +207,16 @@ class Driver:
             return dict.fromkeys(self._wants, False)
         self._receivers(bus)
         return self._wants
+
+    def follows(self) -> bool:
+        """Whether a hook receives any event from inside a step now (see :meth:`inside`): an
+        adapter begins a training step at its framework's first callback only then, and
+        otherwise publishes it with :meth:`whole_step` at its end."""
+        bus = self.bus
+        if bus is None:
+            return False
+        self._receivers(bus)
+        return self._any_inside
 
     def receives(self, kind: type[Event]) -> bool:
         """Whether the open step's optional ``kind`` event (``BeforeStep``, ``AfterData``,

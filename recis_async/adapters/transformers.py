@@ -112,8 +112,6 @@ class RecisTrainerCallback(Adapter, transformers.TrainerCallback):
         self._pending = False  # on_step_end came; AfterStep waits for on_log
         # where the training step under way is: (global_step, local_step, epoch)
         self._place: tuple[int, int, int] = (0, 0, 0)
-        self._inside: Mapping[Any, bool] = {}  # Driver.inside() when last asked
-        self._follow = False  # whether a hook receives an event from inside a step
         self._state: transformers.TrainerState | None = None
         self._control: transformers.TrainerControl | None = None
 
@@ -203,10 +201,7 @@ class RecisTrainerCallback(Adapter, transformers.TrainerCallback):
         self._flush(control)
         self._loss, self._micro, self._samples = None, 0, 0
         self._place = place = (state.global_step, self._local, self._epoch)
-        inside = self._driver.inside()
-        if inside is not self._inside:  # the bus's subscriptions changed (or a new bus)
-            self._inside, self._follow = inside, True in inside.values()
-        if self._follow:
+        if self._driver.follows():
             self._driver.begin_step(True, *place)
         # else: nothing inside the step is received; _flush publishes it whole at its end
 

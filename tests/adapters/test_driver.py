@@ -192,6 +192,23 @@ def test_a_whole_step_publishes_its_after_step_and_a_before_step_only_if_receive
     assert hook.seen == [("AfterStep", 7), ("AfterStep", 8)]
 
 
+def test_follows_says_whether_a_hook_receives_an_event_from_inside_a_step() -> None:
+    """``Driver.follows``: false without a bus and while only ``AfterStep`` is received; true
+    from the moment a hook subscribes to any event from inside a step, false again once it
+    unsubscribes."""
+    driver = Driver("test", [Seen()], None, 10.0, False)
+    assert driver.follows() is False  # no bus yet
+    with SyncHookBus(handle_signals=False) as bus:
+        driver = Driver("test", [Seen()], bus, 10.0, False)
+        driver.start()
+        assert driver.follows() is False
+        for kind in (BeforeStep, AfterData, AfterBackward, BeforeOptimizerStep):
+            subscription = bus.subscribe(kind, lambda e: None)
+            assert driver.follows() is True, kind
+            bus.unsubscribe(subscription)
+            assert driver.follows() is False, kind
+
+
 def test_a_whole_step_raises_a_failure_its_publish_recorded_before_another_step_runs() -> None:
     """With no callback at a step's beginning, a service's failure recorded while the step
     was published is raised at that step's end: the framework runs no further step."""
