@@ -861,13 +861,25 @@ def main() -> None:
         return
     if args.quick:
         args.reps, args.steps = 1, 120
+    if args.steps <= WARMUP + 2:  # a step's time is between two forward calls after warm-up
+        parser.error(
+            f"--steps: expected more than {WARMUP + 2} ({WARMUP} warm-up), got {args.steps}"
+        )
+    if args.paired is not None and args.paired < 1:
+        parser.error(f"--paired: expected a number of jobs a side >= 1, got {args.paired}")
     configs = list(CONFIGS)
     if args.only:  # plain and plain-again (the A/A row: the resolution) are always run
         asked = [c for n in args.only.split(",") for c in ALIASES.get(n.strip(), [n.strip()])]
         configs = [] if args.paired else ["plain", "plain-again"]
         configs += [c for c in dict.fromkeys(asked) if c not in configs]
     if args.paired:  # a framework's job without and with its adapter, in one process
-        configs = [c for c in configs if c.split("+")[0] in ("lightning", "hf", "ignite")]
+        frameworks = ("lightning", "hf", "ignite")
+        configs = [c for c in configs if c.split("+")[0] in frameworks]
+        if not configs:
+            parser.error(
+                f"--paired: expected --only to name a framework config "
+                f"({', '.join(frameworks)}, each with or without '+adapter'), got {args.only!r}"
+            )
         if args.compare:
             parser.error("--paired compares within a process; it takes no --compare")
     unknown = [c for c in configs if c not in CONFIGS]  # (before the --compare labels)
@@ -889,7 +901,7 @@ def main() -> None:
             results[config].append(r)
             if args.paired:
                 print(
-                    f"rep {rep + 1}/{args.reps} {config:18s} "
+                    f"rep {rep + 1}/{args.reps} {config:18s} raw b - a: "
                     + " ".join(f"{p['b_us'] - p['a_us']:+.0f}" for p in r["pairs"])
                     + f" µs wall {r['wall_s']:.1f} s",
                     file=sys.stderr,

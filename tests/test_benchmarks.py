@@ -148,6 +148,25 @@ def test_bench_peers_median_interval_is_the_sign_tests() -> None:
     assert interval([2.0]) == (2.0, 2.0)
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--paired", "0", "--only", "ignite"], "--paired: expected a number of jobs a side >= 1"),
+        (["--paired", "2", "--only", "trainer"], "--paired: expected --only to name a framework"),
+        (["--steps", "40"], "--steps: expected more than 52 (50 warm-up), got 40"),
+    ],
+)
+def test_bench_peers_refuses_what_it_cannot_measure(argv: list[str], message: str) -> None:
+    """A paired run with no job a side or no framework, or fewer steps than the warm-up: a
+    usage error naming the option, before any job runs (not an IndexError in a child, nor an
+    empty table)."""
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/bench_peers.py", *argv],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
 def test_bench_peers_paired_report_reads_each_block_at_its_speed() -> None:
     """``--paired``: a job's cost besides the model is read as a share of its own model time,
     so blocks run at different speeds (the VM's minute) give the adapter's cost at the
