@@ -55,6 +55,7 @@ __all__ = [
     "DEFAULT_WAIT_TIMEOUT",
     "HostBufferPool",
     "HostCopy",
+    "held",
     "resolved_dtype",
 ]
 
@@ -137,6 +138,7 @@ class HostCopy:
         "_pool",
         "_result",
         "_slot",
+        "_source",
         "_step",
         "device",
         "dtype",
@@ -148,7 +150,7 @@ class HostCopy:
 
     def __init__(
         self,
-        pool: HostBufferPool,
+        pool: HostBufferPool | None,
         slot: _Slot | None,
         event: Any,
         dtype: np.dtype[Any],
@@ -157,9 +159,11 @@ class HostCopy:
         source_dtype: torch.dtype,
         device: torch.device,
         step: int,
+        source: torch.Tensor | None = None,
     ) -> None:
         self._pool = pool
         self._slot = slot
+        self._source = source  # a CPU tensor of its own, read when resolved (see held)
         self._event = event
         self._lock = threading.Lock()
         self._step = step
@@ -170,7 +174,7 @@ class HostCopy:
         self.nbytes = size * dtype.itemsize
         self.source_dtype = source_dtype
         self.device = device
-        if slot is None:  # nothing to copy (no elements)
+        if slot is None and source is None:  # nothing to copy (no elements)
             self._result = _readonly(np.empty(shape, dtype))
 
     @property
@@ -209,7 +213,10 @@ class HostCopy:
             event.synchronize()  # this copy only, not the whole device
         with self._lock:
             result = self._result
-            if result is None:
+            if result is None and self._source is not None:  # held: its values are here
+                result = self._result = _readonly(self._source.numpy(force=True))
+                self._source = None
+            elif result is None:
                 slot = self._slot
                 if slot is None:
                     raise RuntimeError(
@@ -217,6 +224,7 @@ class HostCopy:
                     )
                 result = self._result = _copy_out(slot.view, self.dtype)
                 self._slot = None
+                assert self._pool is not None  # a copy with a buffer has its pool
                 self._pool._give_back(self, slot, None)
         return result
 
@@ -226,7 +234,8 @@ class HostCopy:
         until it has.  Idempotent."""
         with self._lock:
             slot, self._slot = self._slot, None
-        if slot is not None:
+            self._source = None
+        if slot is not None and self._pool is not None:
             self._pool._give_back(self, slot, self._event)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
@@ -238,12 +247,23 @@ class HostCopy:
 
     def __repr__(self) -> str:
         state = "resolved" if self._result is not None else "pending"
-        if self._result is None and self._slot is None:
+        if self._result is None and self._slot is None and self._source is None:
             state = "released"
         return (
             f"<HostCopy {self.source_dtype} {tuple(self.shape)} from {self.device}, "
             f"{self.nbytes} bytes, {state}>"
         )
+
+
+def held(clone: torch.Tensor, dtype: np.dtype[Any]) -> HostCopy:
+    """A :class:`HostCopy` of ``clone``, a CPU tensor nobody else holds (the caller's clone)
+    of a dtype that numpy has (``dtype``): resolved by reading it, off the step.  No pool
+    buffer and no wait: the step is spared numpy's conversion and copy, whose code a step
+    runs cold, right after the model's compute (~20 us more than the clone on the project's
+    VM; benchmarks/README.md, "CPU trace columns held as tensors")."""
+    return HostCopy(
+        None, None, None, dtype, clone.shape, clone.numel(), clone.dtype, clone.device, 0, clone
+    )
 
 
 def _readonly(array: np.ndarray) -> np.ndarray:
