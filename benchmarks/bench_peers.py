@@ -54,12 +54,17 @@ alternated with BLOCKS with it (``<framework>+adapter``; a bare ``<framework>``:
 on both sides, the A/A).  Each job's step-thread CPU besides the model is read at that job's
 own speed (as a share of its model time); printed per config: the median over every pair, in
 µs and in % of the framework's step p50, the 95 % interval of that median, and the step
-thread's garbage collection a step on each side.
+thread's garbage collection a step on each side.  With ``--compare DIR`` as well, side ``a``
+of ``<framework>+adapter`` runs the adapter too, with the ``recis_async`` of the checkout
+``DIR`` (both packages loaded in the process, each job run with its side's): what a change
+costs or saves the adapter's step, resolved as finely as the adapter's own cost.
 
     python benchmarks/bench_peers.py [--reps 6] [--steps 1500] [--only trainer,own,...]
     python benchmarks/bench_peers.py --quick          # every config once, a few steps
     python benchmarks/bench_peers.py --only trainer,own --compare <checkout>  # before/after
     python benchmarks/bench_peers.py --paired 6 --reps 3 --steps 400 --only ignite,ignite+adapter
+    python benchmarks/bench_peers.py --paired 6 --reps 3 --steps 400 --only ignite+adapter \
+        --compare <checkout>     # the adapter with that code (a) and with this one (b)
 """
 
 from __future__ import annotations
@@ -286,7 +291,9 @@ def child(config: str, out: Path, steps: int, hidden: int) -> dict[str, Any]:
     }
 
 
-def paired_child(config: str, out: Path, steps: int, hidden: int, blocks: int) -> dict[str, Any]:
+def paired_child(
+    config: str, out: Path, steps: int, hidden: int, blocks: int, other: Path | None = None
+) -> dict[str, Any]:
     """A framework's job without its adapter (side ``a``) and, for ``<framework>+adapter``,
     with it (side ``b``; for a bare ``<framework>``, without it again: the A/A), ``blocks``
     times each, alternated (the order swapped from one pair to the next) in this one process.
@@ -294,7 +301,12 @@ def paired_child(config: str, out: Path, steps: int, hidden: int, blocks: int) -
     then the same on both sides, so a pair's difference is the adapter's, not that of two
     processes.  Each block is a whole job over the same batches (its own model wrapper,
     optimizer, framework objects, bus and outputs); per block: the step thread's CPU besides
-    the model, and the step p50."""
+    the model, and the step p50.
+
+    ``other`` (``--compare``): side ``a`` of ``<framework>+adapter`` runs the adapter too,
+    with the ``recis_async`` of that checkout (both packages are loaded; each job runs with
+    its side's modules in ``sys.modules``): what a change of this code costs or saves the
+    adapter's step."""
     import logging
 
     torch, mlp, batches = build(hidden, steps)
@@ -307,16 +319,24 @@ def paired_child(config: str, out: Path, steps: int, hidden: int, blocks: int) -
     clock.count_gc()
     framework = config.split("+")[0]
     runner = globals()[f"run_{framework}"]
-    sides = {"a": False, "b": config.endswith("+adapter")}
+    adapter = config.endswith("+adapter")
+    sides = {"a": adapter and other is not None, "b": adapter}
     # A first job, not counted: the process's one-off costs (the framework's and the
     # adapter's lazy imports, the first full garbage collection of what they allocated) are
     # not a step's; the fresh-process runs show them (import time, process wall time).
     (out / "first").mkdir()
     runner(torch, mlp, batches, clock, out / "first", log, sides["b"])
+    code = {"a": _package_modules(), "b": _package_modules()}
+    if other is not None and adapter:  # the other checkout's package, and its first job
+        code["a"] = _other_package(other)
+        (out / "first_a").mkdir()
+        runner(torch, mlp, batches, clock, out / "first_a", log, True)
+        code["a"] = _package_modules()
     pairs: list[dict[str, float]] = []
     for block in range(blocks):
         pair: dict[str, float] = {}
         for side in ("a", "b") if block % 2 == 0 else ("b", "a"):
+            _use_package(code[side])
             clock.times, clock.cpu, clock.thread, clock.model, clock.gc = [], [], [], [], []
             where = out / f"{block}{side}"
             where.mkdir()
@@ -331,7 +351,43 @@ def paired_child(config: str, out: Path, steps: int, hidden: int, blocks: int) -
             pair[f"{side}_model_us"] = 1e6 * model
             pair[f"{side}_p50_ms"] = 1e3 * gaps[len(gaps) // 2]
         pairs.append(pair)
-    return {"config": config, "pairs": pairs}
+    where = {side: str(modules["recis_async"].__file__) for side, modules in code.items()}
+    return {"config": config, "pairs": pairs, "code": where}
+
+
+def _package_modules() -> dict[str, Any]:
+    """The ``recis_async`` modules loaded now (a package's, for :func:`_use_package`)."""
+    return {
+        name: module
+        for name, module in sys.modules.items()
+        if name == "recis_async" or name.startswith("recis_async.")
+    }
+
+
+def _use_package(modules: dict[str, Any]) -> None:
+    """Make ``modules`` the ``recis_async`` that imports find: the jobs import what they use
+    when they start (``from recis_async... import ...``), and a submodule not loaded yet is
+    found through the package's own ``__path__``."""
+    for name in list(_package_modules()):
+        del sys.modules[name]
+    sys.modules.update(modules)
+
+
+def _other_package(root: Path) -> dict[str, Any]:
+    """Import the ``recis_async`` of the checkout ``root`` beside the one loaded (whose
+    modules leave ``sys.modules`` until :func:`_use_package` puts them back)."""
+    import importlib
+
+    _use_package({})
+    sys.path.insert(0, str(root))
+    try:
+        importlib.invalidate_caches()
+        package = importlib.import_module("recis_async")
+    finally:
+        sys.path.remove(str(root))
+    if not str(package.__file__).startswith(str(root)):
+        raise RuntimeError(f"--compare {root}: imported {package.__file__} instead")
+    return _package_modules()
 
 
 def _trace_hooks(out: Path) -> list[Any]:
@@ -632,6 +688,8 @@ def run_one(label: str, args: argparse.Namespace) -> dict[str, Any]:
         argv += ["--steps", str(args.steps), "--hidden", str(args.hidden)]
         if args.paired:
             argv += ["--paired", str(args.paired)]
+            if args.compare:
+                argv += ["--compare", str(Path(args.compare).resolve())]
         started = time.perf_counter()
         with open(Path(tmp) / "stderr.txt", "w") as err:
             proc = subprocess.run(
@@ -836,7 +894,8 @@ def main() -> None:
         "--compare",
         metavar="DIR",
         help="also run every config but plain with the recis_async of the checkout DIR "
-        "(rows 'config@DIR'), alternated with the others in every repetition",
+        "(rows 'config@DIR'), alternated with the others in every repetition; with "
+        "--paired, '<framework>+adapter' runs the adapter with DIR's code on side a",
     )
     parser.add_argument(
         "--paired",
@@ -850,9 +909,12 @@ def main() -> None:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child and args.paired:
+        other = Path(args.compare) if args.compare else None
         print(
             json.dumps(
-                paired_child(args.child, Path(args.out), args.steps, args.hidden, args.paired)
+                paired_child(
+                    args.child, Path(args.out), args.steps, args.hidden, args.paired, other
+                )
             )
         )
         return
@@ -880,8 +942,8 @@ def main() -> None:
                 f"--paired: expected --only to name a framework config "
                 f"({', '.join(frameworks)}, each with or without '+adapter'), got {args.only!r}"
             )
-        if args.compare:
-            parser.error("--paired compares within a process; it takes no --compare")
+        if args.compare and not (Path(args.compare) / "recis_async" / "__init__.py").is_file():
+            parser.error(f"--compare: expected a checkout holding recis_async/, got {args.compare}")
     unknown = [c for c in configs if c not in CONFIGS]  # (before the --compare labels)
     if unknown:
         parser.error(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
@@ -889,7 +951,8 @@ def main() -> None:
     configs = [c for c in configs if c not in skipped]
     if skipped:
         print(f"skipped (framework not installed): {', '.join(skipped)}", file=sys.stderr)
-    if args.compare:  # every config but the plain ones again, with the other checkout's code
+    if args.compare and not args.paired:  # every config but the plain ones again, with the
+        # other checkout's code (--paired: in the same process, see paired_child)
         other = Path(args.compare).resolve().name
         pairs = [[c] if c.startswith("plain") else [c, f"{c}@{other}"] for c in configs]
         configs = [label for pair in pairs for label in pair]
@@ -917,6 +980,11 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     if args.paired:
+        if args.compare:
+            print(
+                f"side a: '<framework>+adapter' with the recis_async of {args.compare}; "
+                "side b: with this checkout's (a bare framework: the A/A)"
+            )
         print(paired_report(results))
         return
     print(report(results, args.reps))

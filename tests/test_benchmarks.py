@@ -154,6 +154,10 @@ def test_bench_peers_median_interval_is_the_sign_tests() -> None:
         (["--paired", "0", "--only", "ignite"], "--paired: expected a number of jobs a side >= 1"),
         (["--paired", "2", "--only", "trainer"], "--paired: expected --only to name a framework"),
         (["--steps", "40"], "--steps: expected more than 52 (50 warm-up), got 40"),
+        (
+            ["--paired", "2", "--only", "ignite+adapter", "--compare", "benchmarks"],
+            "--compare: expected a checkout holding recis_async/, got benchmarks",
+        ),
     ],
 )
 def test_bench_peers_refuses_what_it_cannot_measure(argv: list[str], message: str) -> None:
