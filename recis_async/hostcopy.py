@@ -1,11 +1,13 @@
 """Recorded tensors leave the device without blocking: :class:`HostCopy` and its pool.
 
-``add_to_trace`` and ``add_to_ml_tracker`` given a tensor call :meth:`HostBufferPool.copy`:
-the tensor is copied into a host buffer taken from the bus's pool -- ``copy_(src,
-non_blocking=True)`` on the current stream, then a CUDA event recorded after it -- and the
-step goes on at once.  On the CPU the copy is a plain copy and there is no event; everything
-else is the same code, so the CPU test suite runs the logic a GPU runs.  The value is the one
-at the call: stream order puts the copy before any later in-place update.
+``add_to_trace`` and ``add_to_ml_tracker`` given a tensor on a device call
+:meth:`HostBufferPool.copy`: the tensor is copied into a host buffer taken from the bus's pool
+-- ``copy_(src, non_blocking=True)`` on the current stream, then a CUDA event recorded after
+it -- and the step goes on at once.  On the CPU the copy is a plain copy and there is no
+event; everything else is the same code, so the CPU test suite runs the logic a GPU runs
+(``collect.READ_CPU_AT_CALL`` false sends CPU tensors this way).  The value is the one at the
+call: stream order puts the copy before any later in-place update.  A CPU tensor traced in an
+ordinary run needs no buffer: :func:`held` keeps the caller's clone of it, read when resolved.
 
 A :class:`HostCopy` knows its dtype, shape and size without reading anything.
 :meth:`HostCopy.ready` never blocks; :meth:`HostCopy.resolve` waits for the copy (call it in

@@ -187,6 +187,8 @@ def test_bench_peers_paired_report_reads_each_block_at_its_speed() -> None:
             "b_model_us": speed_b * model,
             "b_p50_ms": speed_b * (model + framework + adapter) / 1e3,
             "b_gc_us": 2.0,
+            "a_ours_us": 0.0,
+            "b_ours_us": speed_b * 60.0,  # of the adapter's 100: the library's own code
         }
 
     runs = [{"pairs": [pair(1.0, 1.3), pair(1.3, 1.0), pair(1.0, 1.0)]}]
@@ -197,6 +199,7 @@ def test_bench_peers_paired_report_reads_each_block_at_its_speed() -> None:
     assert row[4].strip() == "+100 to +100 (3)", table
     assert row[6].strip() == "+100 (-20 to +250)", table  # raw: the speed's, not the adapter's
     assert row[7].strip() == "0 / 2 µs", table
+    assert row[8].strip() == "+60.0 µs (+60.0 to +60.0)", table
 
 
 @pytest.mark.slow
