@@ -341,7 +341,8 @@ def paired_child(
         pair: dict[str, float] = {}
         for side in ("a", "b") if block % 2 == 0 else ("b", "a"):
             _use_package(code[side])
-            time_our_code(clock, framework)  # (once per package)
+            if other is not None:  # both sides run the library's code: timed alike
+                time_our_code(clock, framework)  # (once per package)
             clock.times, clock.cpu, clock.thread, clock.model, clock.gc = [], [], [], [], []
             clock.ours = []
             where = out / f"{block}{side}"
@@ -349,7 +350,8 @@ def paired_child(
             runner(torch, mlp, batches, clock, where, log, sides[side])
             n = len(clock.times) - WARMUP - 1
             pair[f"{side}_gc_us"] = 1e-3 * (clock.gc[-1] - clock.gc[WARMUP]) / n
-            pair[f"{side}_ours_us"] = 1e-3 * (clock.ours[-1] - clock.ours[WARMUP]) / n
+            if other is not None:
+                pair[f"{side}_ours_us"] = 1e-3 * (clock.ours[-1] - clock.ours[WARMUP]) / n
             thread = (clock.thread[-1] - clock.thread[WARMUP]) / n
             model = 1e-9 * (clock.model[-1] - clock.model[WARMUP]) / n
             times = clock.times[WARMUP:]
@@ -896,8 +898,9 @@ def paired_report(results: dict[str, list[dict[str, Any]]]) -> str:
     job again, the A/A) adds to the step thread's CPU besides the model, over every pair of
     every process: the median in µs and in % of the framework's step p50, its 95 % interval,
     the range, each process's own median; then the garbage collection a step on each side,
-    and what side ``b`` adds in the library's own code alone (:func:`time_our_code`, read at
-    each block's speed the same way).
+    and, with ``--compare``, what side ``b`` adds in the library's own code alone
+    (:func:`time_our_code`, read at each block's speed the same way; without ``--compare``
+    only side ``b`` runs that code, and timing it would add the clock's reads to that side).
 
     A block's figures are read at that block's speed: this VM's speed moves by a third from
     one minute to the next, the model's compute and the Python around it alike.  So each
@@ -929,11 +932,14 @@ def paired_report(results: dict[str, list[dict[str, Any]]]) -> str:
         )
         gc_a = statistics.median(p["a_gc_us"] for p in pairs)
         gc_b = statistics.median(p["b_gc_us"] for p in pairs)
-        ours = [
-            (p["b_ours_us"] / p["b_model_us"] - p["a_ours_us"] / p["a_model_us"]) * model
-            for p in pairs
-        ]
-        ours_low, ours_high = median_interval(ours)
+        ours_cell = "–"  # timed with --compare only: without, side a has none to time
+        if "a_ours_us" in pairs[0]:
+            ours = [
+                (p["b_ours_us"] / p["b_model_us"] - p["a_ours_us"] / p["a_model_us"]) * model
+                for p in pairs
+            ]
+            low_ours, high_ours = median_interval(ours)
+            ours_cell = f"{statistics.median(ours):+.1f} µs ({low_ours:+.1f} to {high_ours:+.1f})"
         lines.append(
             f"| {config} (step p50 {step_us / 1e3:.2f} ms) | {median:+.0f} µs = "
             f"{100 * median / step_us:+.1f} % | {low:+.0f} to {high:+.0f} µs = "
@@ -941,7 +947,7 @@ def paired_report(results: dict[str, list[dict[str, Any]]]) -> str:
             f"| {min(diffs):+.0f} to {max(diffs):+.0f} ({len(diffs)}) | {each} "
             f"| {statistics.median(raw):+.0f} ({min(raw):+.0f} to {max(raw):+.0f}) "
             f"| {gc_a:.0f} / {gc_b:.0f} µs "
-            f"| {statistics.median(ours):+.1f} µs ({ours_low:+.1f} to {ours_high:+.1f}) |"
+            f"| {ours_cell} |"
         )
     return "\n".join(lines)
 

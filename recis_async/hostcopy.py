@@ -261,8 +261,8 @@ def held(clone: torch.Tensor, dtype: np.dtype[Any]) -> HostCopy:
     """A :class:`HostCopy` of ``clone``, a CPU tensor nobody else holds (the caller's clone)
     of a dtype that numpy has (``dtype``): resolved by reading it, off the step.  No pool
     buffer and no wait: the step is spared numpy's conversion and copy, whose code a step
-    runs cold, right after the model's compute (~20 us more than the clone on the project's
-    VM; benchmarks/README.md, "CPU trace columns held as tensors")."""
+    runs cold, right after the model's compute, at a cost above the clone's
+    (benchmarks/README.md, "CPU trace columns held as tensors")."""
     return HostCopy(
         None, None, None, dtype, clone.shape, clone.numel(), clone.dtype, clone.device, 0, clone
     )

@@ -200,6 +200,11 @@ def test_bench_peers_paired_report_reads_each_block_at_its_speed() -> None:
     assert row[6].strip() == "+100 (-20 to +250)", table  # raw: the speed's, not the adapter's
     assert row[7].strip() == "0 / 2 µs", table
     assert row[8].strip() == "+60.0 µs (+60.0 to +60.0)", table
+    # without --compare the library's code is not timed (side a has none): no figure
+    for p in runs[0]["pairs"]:
+        del p["a_ours_us"], p["b_ours_us"]
+    table = _bench_peers().paired_report({"ignite+adapter": runs})
+    assert table.splitlines()[2].split("|")[8].strip() == "–", table
 
 
 @pytest.mark.slow
