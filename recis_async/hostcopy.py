@@ -202,7 +202,8 @@ class HostCopy:
     def resolve(self) -> np.ndarray:
         """The values as an owned, read-only numpy array; the first call waits for the copy
         (on a GPU: for the device to reach it -- call it in a worker thread unless
-        :meth:`ready`), copies the values out and gives the buffer back to the pool.
+        :meth:`ready`), copies the values out and gives the buffer back to the pool (a
+        :func:`held` clone is read as it is).
 
         Raises:
             RuntimeError: the copy was :meth:`release` d before it was resolved.
@@ -226,8 +227,8 @@ class HostCopy:
                     )
                 result = self._result = _copy_out(slot.view, self.dtype)
                 self._slot = None
-                assert self._pool is not None  # a copy with a buffer has its pool
-                self._pool._give_back(self, slot, None)
+                if self._pool is not None:  # (a copy with a buffer has its pool)
+                    self._pool._give_back(self, slot, None)
         return result
 
     def release(self) -> None:
