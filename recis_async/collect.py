@@ -97,21 +97,10 @@ READ_CPU_AT_CALL: Final = True
 _current: ContextVar[StepCollector | None] = ContextVar("recis_async_collector", default=None)
 _STRIDED: Final = torch.strided
 _METRIC_DTYPES: Final = metric_dtypes()
-#: the dtypes a CPU trace column is held in as it is (add_to_trace), with numpy's for each
+#: the dtypes a CPU trace column is held in as it is (add_to_trace), with numpy's for each:
+#: the metric dtypes but bfloat16, which numpy lacks (it is copied as float32 at the call)
 _HELD_DTYPES: Final = {
-    dtype: resolved
-    for dtype in (
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.float16,
-        torch.float32,
-        torch.float64,
-    )
-    if (resolved := resolved_dtype(dtype)) is not None
+    dtype: resolved_dtype(dtype) for dtype in _METRIC_DTYPES if dtype is not torch.bfloat16
 }
 
 

@@ -49,16 +49,7 @@ def test_bench_peers_paired_alternates_the_jobs_in_one_process(tmp_path: Path) -
     """``--paired``: one process per config and repetition, a job not counted, then jobs
     without and with the adapter alternated; every job's figures are reported, the A/A row
     (the bare framework) beside the adapter's."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_peers.py"), "--paired", "2",
-         "--reps", "1", "--steps", "80", "--hidden", "16", "--only", "ignite,ignite+adapter"],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _paired(tmp_path, "2")
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ignite")]
     assert [row.split("(")[0].strip("| ") for row in rows] == ["ignite", "ignite+adapter"]
     for row in rows:
@@ -81,17 +72,7 @@ def test_bench_peers_paired_compare_runs_the_other_checkouts_adapter_on_side_a(
         ROOT / "recis_async", other / "recis_async", ignore=shutil.ignore_patterns("__pycache__")
     )
     out = tmp_path / "paired.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_peers.py"), "--paired", "1",
-         "--reps", "1", "--steps", "80", "--hidden", "16", "--only", "ignite,ignite+adapter",
-         "--compare", str(other), "--json", str(out)],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _paired(tmp_path, "1", "--compare", str(other), "--json", str(out))
     assert f"side a: '<framework>+adapter' with the recis_async of {other}" in proc.stdout
     results = json.loads(out.read_text())
     [adapter] = results["ignite+adapter"]
@@ -102,3 +83,20 @@ def test_bench_peers_paired_compare_runs_the_other_checkouts_adapter_on_side_a(
     # both sides of the adapter's pair ran the adapter (the same code: within the noise)
     [pair] = adapter["pairs"]
     assert pair["a_us"] > 0 and pair["b_us"] > 0
+
+
+def _paired(tmp_path: Path, blocks: str, *more: str) -> subprocess.CompletedProcess[str]:
+    """``bench_peers.py --paired BLOCKS`` of a tiny Ignite job, with and without the adapter,
+    one process a config; checked to have exited 0."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_peers.py"), "--paired", blocks,
+         "--reps", "1", "--steps", "80", "--hidden", "16", "--only", "ignite,ignite+adapter",
+         *more],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
