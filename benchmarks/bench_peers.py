@@ -54,12 +54,17 @@ alternated with BLOCKS with it (``<framework>+adapter``; a bare ``<framework>``:
 on both sides, the A/A).  Each job's step-thread CPU besides the model is read at that job's
 own speed (as a share of its model time); printed per config: the median over every pair, in
 µs and in % of the framework's step p50, the 95 % interval of that median, and the step
-thread's garbage collection a step on each side.
+thread's garbage collection a step on each side.  With ``--compare DIR`` as well, side ``a``
+of ``<framework>+adapter`` runs the adapter too, with the ``recis_async`` of the checkout
+``DIR`` (both packages loaded in the process, each job run with its side's): what a change
+costs or saves the adapter's step, resolved as finely as the adapter's own cost.
 
     python benchmarks/bench_peers.py [--reps 6] [--steps 1500] [--only trainer,own,...]
     python benchmarks/bench_peers.py --quick          # every config once, a few steps
     python benchmarks/bench_peers.py --only trainer,own --compare <checkout>  # before/after
     python benchmarks/bench_peers.py --paired 6 --reps 3 --steps 400 --only ignite,ignite+adapter
+    python benchmarks/bench_peers.py --paired 6 --reps 3 --steps 400 --only ignite+adapter \
+        --compare <checkout>     # the adapter with that code (a) and with this one (b)
 """
 
 from __future__ import annotations
@@ -119,6 +124,9 @@ class Clock:
         self.gc: list[int] = []  # the step thread's garbage collection so far, ns
         self.gc_ns = 0
         self.gc_started = 0
+        self.ours: list[int] = []  # the step thread's CPU in this library's code, ns (--paired)
+        self.ours_ns = 0
+        self.in_ours = False
 
     def count_gc(self) -> None:
         """Time this thread's garbage collections into ``gc_ns``: a full one walks the whole
@@ -231,6 +239,7 @@ def make_net(
                 clock.thread.append(time.thread_time())
                 clock.model.append(clock.model_ns)
                 clock.gc.append(clock.gc_ns)
+                clock.ours.append(clock.ours_ns)
             loss = torch.nn.functional.mse_loss(self.mlp(x), y)
             if self.training:
                 if record is not None:
@@ -286,7 +295,9 @@ def child(config: str, out: Path, steps: int, hidden: int) -> dict[str, Any]:
     }
 
 
-def paired_child(config: str, out: Path, steps: int, hidden: int, blocks: int) -> dict[str, Any]:
+def paired_child(
+    config: str, out: Path, steps: int, hidden: int, blocks: int, other: Path | None = None
+) -> dict[str, Any]:
     """A framework's job without its adapter (side ``a``) and, for ``<framework>+adapter``,
     with it (side ``b``; for a bare ``<framework>``, without it again: the A/A), ``blocks``
     times each, alternated (the order swapped from one pair to the next) in this one process.
@@ -294,7 +305,12 @@ def paired_child(config: str, out: Path, steps: int, hidden: int, blocks: int) -
     then the same on both sides, so a pair's difference is the adapter's, not that of two
     processes.  Each block is a whole job over the same batches (its own model wrapper,
     optimizer, framework objects, bus and outputs); per block: the step thread's CPU besides
-    the model, and the step p50."""
+    the model, and the step p50.
+
+    ``other`` (``--compare``): side ``a`` of ``<framework>+adapter`` runs the adapter too,
+    with the ``recis_async`` of that checkout (both packages are loaded; each job runs with
+    its side's modules in ``sys.modules``): what a change of this code costs or saves the
+    adapter's step."""
     import logging
 
     torch, mlp, batches = build(hidden, steps)
@@ -307,22 +323,35 @@ def paired_child(config: str, out: Path, steps: int, hidden: int, blocks: int) -
     clock.count_gc()
     framework = config.split("+")[0]
     runner = globals()[f"run_{framework}"]
-    sides = {"a": False, "b": config.endswith("+adapter")}
+    adapter = config.endswith("+adapter")
+    sides = {"a": adapter and other is not None, "b": adapter}
     # A first job, not counted: the process's one-off costs (the framework's and the
     # adapter's lazy imports, the first full garbage collection of what they allocated) are
     # not a step's; the fresh-process runs show them (import time, process wall time).
     (out / "first").mkdir()
     runner(torch, mlp, batches, clock, out / "first", log, sides["b"])
+    code = {"a": _package_modules(), "b": _package_modules()}
+    if other is not None and adapter:  # the other checkout's package, and its first job
+        code["a"] = _other_package(other)
+        (out / "first_a").mkdir()
+        runner(torch, mlp, batches, clock, out / "first_a", log, True)
+        code["a"] = _package_modules()
     pairs: list[dict[str, float]] = []
     for block in range(blocks):
         pair: dict[str, float] = {}
         for side in ("a", "b") if block % 2 == 0 else ("b", "a"):
+            _use_package(code[side])
+            if other is not None:  # both sides run the library's code: timed alike
+                time_our_code(clock, framework)  # (once per package)
             clock.times, clock.cpu, clock.thread, clock.model, clock.gc = [], [], [], [], []
+            clock.ours = []
             where = out / f"{block}{side}"
             where.mkdir()
             runner(torch, mlp, batches, clock, where, log, sides[side])
             n = len(clock.times) - WARMUP - 1
             pair[f"{side}_gc_us"] = 1e-3 * (clock.gc[-1] - clock.gc[WARMUP]) / n
+            if other is not None:
+                pair[f"{side}_ours_us"] = 1e-3 * (clock.ours[-1] - clock.ours[WARMUP]) / n
             thread = (clock.thread[-1] - clock.thread[WARMUP]) / n
             model = 1e-9 * (clock.model[-1] - clock.model[WARMUP]) / n
             times = clock.times[WARMUP:]
@@ -331,7 +360,99 @@ def paired_child(config: str, out: Path, steps: int, hidden: int, blocks: int) -
             pair[f"{side}_model_us"] = 1e6 * model
             pair[f"{side}_p50_ms"] = 1e3 * gaps[len(gaps) // 2]
         pairs.append(pair)
-    return {"config": config, "pairs": pairs}
+    files = {side: str(modules["recis_async"].__file__) for side, modules in code.items()}
+    return {"config": config, "pairs": pairs, "code": files}
+
+
+# the adapter's class, by framework, and its methods a framework calls back (the bus and the
+# hooks run inside them)
+_ADAPTERS = {
+    "ignite": ("recis_async.adapters.ignite", "IgniteAdapter"),
+    "lightning": ("recis_async.adapters.lightning", "RecisCallback"),
+    "hf": ("recis_async.adapters.transformers", "RecisTrainerCallback"),
+}
+_IGNITE_HANDLERS = (
+    "_started _epoch_started _batch_started _batch_completed _iteration_completed "
+    "_epoch_completed _terminated _completed _failed"
+).split()
+
+
+def time_our_code(clock: Clock, framework: str) -> None:
+    """Count the step thread's CPU in this library's code into ``clock.ours_ns``: the
+    adapter's callbacks (the bus and the hooks run inside them; the Hugging Face adapter's
+    forward hooks too) and the model's calls of the collectors.  A change of the library's
+    code shows there free of the framework's and the model's variation from job to job
+    (what it does to their speed does not: the step's figure has that).  Wraps the
+    ``recis_async`` in ``sys.modules`` now, once per package (each call costs two reads of
+    the thread clock, on both sides of a ``--compare`` alike)."""
+    import functools
+    import importlib
+
+    package = sys.modules["recis_async"]
+    if getattr(package, "_bench_timed", False):
+        return
+    package._bench_timed = True  # type: ignore[attr-defined]
+
+    def timed(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def wrapper(*a: Any, **k: Any) -> Any:
+            if clock.in_ours:  # called from our own code: counted there
+                return fn(*a, **k)
+            clock.in_ours = True
+            t = time.thread_time_ns()
+            try:
+                return fn(*a, **k)
+            finally:
+                clock.ours_ns += time.thread_time_ns() - t
+                clock.in_ours = False
+
+        return wrapper
+
+    for name in ("add_metric", "add_to_trace", "add_to_ml_tracker"):
+        setattr(package, name, timed(getattr(package, name)))
+    module, name = _ADAPTERS[framework]
+    cls = getattr(importlib.import_module(module), name)
+    names = [n for n in vars(cls) if n.startswith("on_")] + (
+        _IGNITE_HANDLERS if framework == "ignite" else ["_before_forward", "_took_forward"]
+    )
+    for method in names:
+        if callable(vars(cls).get(method)):
+            setattr(cls, method, timed(vars(cls)[method]))
+
+
+def _package_modules() -> dict[str, Any]:
+    """The ``recis_async`` modules loaded now (a package's, for :func:`_use_package`)."""
+    return {
+        name: module
+        for name, module in sys.modules.items()
+        if name == "recis_async" or name.startswith("recis_async.")
+    }
+
+
+def _use_package(modules: dict[str, Any]) -> None:
+    """Make ``modules`` the ``recis_async`` that imports find: the jobs import what they use
+    when they start (``from recis_async... import ...``), and a submodule not loaded yet is
+    found through the package's own ``__path__``."""
+    for name in list(_package_modules()):
+        del sys.modules[name]
+    sys.modules.update(modules)
+
+
+def _other_package(root: Path) -> dict[str, Any]:
+    """Import the ``recis_async`` of the checkout ``root`` beside the one loaded (whose
+    modules leave ``sys.modules`` until :func:`_use_package` puts them back)."""
+    import importlib
+
+    _use_package({})
+    sys.path.insert(0, str(root))
+    try:
+        importlib.invalidate_caches()
+        package = importlib.import_module("recis_async")
+    finally:
+        sys.path.remove(str(root))
+    if not str(package.__file__).startswith(str(root)):
+        raise RuntimeError(f"--compare {root}: imported {package.__file__} instead")
+    return _package_modules()
 
 
 def _trace_hooks(out: Path) -> list[Any]:
@@ -632,6 +753,8 @@ def run_one(label: str, args: argparse.Namespace) -> dict[str, Any]:
         argv += ["--steps", str(args.steps), "--hidden", str(args.hidden)]
         if args.paired:
             argv += ["--paired", str(args.paired)]
+            if args.compare:
+                argv += ["--compare", str(Path(args.compare).resolve())]
         started = time.perf_counter()
         with open(Path(tmp) / "stderr.txt", "w") as err:
             proc = subprocess.run(
@@ -774,7 +897,10 @@ def paired_report(results: dict[str, list[dict[str, Any]]]) -> str:
     """``--paired``: per config, what side ``b`` (the adapter; for a bare framework the same
     job again, the A/A) adds to the step thread's CPU besides the model, over every pair of
     every process: the median in µs and in % of the framework's step p50, its 95 % interval,
-    the range, each process's own median; then the garbage collection a step on each side.
+    the range, each process's own median; then the garbage collection a step on each side,
+    and, with ``--compare``, what side ``b`` adds in the library's own code alone
+    (:func:`time_our_code`, read at each block's speed the same way; without ``--compare``
+    only side ``b`` runs that code, and timing it would add the clock's reads to that side).
 
     A block's figures are read at that block's speed: this VM's speed moves by a third from
     one minute to the next, the model's compute and the Python around it alike.  So each
@@ -785,8 +911,9 @@ def paired_report(results: dict[str, list[dict[str, Any]]]) -> str:
     lines = [
         "| config | adds to the step thread, median | 95 % interval of the median "
         "| pairs: range | each process's median | raw b − a, median (range) "
-        "| garbage collection a step, a / b |",
-        "|---|---|---|---|---|---|---|",
+        "| garbage collection a step, a / b "
+        "| the library's own code on the step, b − a, median (95 % interval) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for config, runs in results.items():
         pairs = [p for run in runs for p in run["pairs"]]
@@ -805,13 +932,22 @@ def paired_report(results: dict[str, list[dict[str, Any]]]) -> str:
         )
         gc_a = statistics.median(p["a_gc_us"] for p in pairs)
         gc_b = statistics.median(p["b_gc_us"] for p in pairs)
+        ours_cell = "–"  # timed with --compare only: without, side a has none to time
+        if "a_ours_us" in pairs[0]:
+            ours = [
+                (p["b_ours_us"] / p["b_model_us"] - p["a_ours_us"] / p["a_model_us"]) * model
+                for p in pairs
+            ]
+            low_ours, high_ours = median_interval(ours)
+            ours_cell = f"{statistics.median(ours):+.1f} µs ({low_ours:+.1f} to {high_ours:+.1f})"
         lines.append(
             f"| {config} (step p50 {step_us / 1e3:.2f} ms) | {median:+.0f} µs = "
             f"{100 * median / step_us:+.1f} % | {low:+.0f} to {high:+.0f} µs = "
             f"{100 * low / step_us:+.1f} to {100 * high / step_us:+.1f} % "
             f"| {min(diffs):+.0f} to {max(diffs):+.0f} ({len(diffs)}) | {each} "
             f"| {statistics.median(raw):+.0f} ({min(raw):+.0f} to {max(raw):+.0f}) "
-            f"| {gc_a:.0f} / {gc_b:.0f} µs |"
+            f"| {gc_a:.0f} / {gc_b:.0f} µs "
+            f"| {ours_cell} |"
         )
     return "\n".join(lines)
 
@@ -836,7 +972,8 @@ def main() -> None:
         "--compare",
         metavar="DIR",
         help="also run every config but plain with the recis_async of the checkout DIR "
-        "(rows 'config@DIR'), alternated with the others in every repetition",
+        "(rows 'config@DIR'), alternated with the others in every repetition; with "
+        "--paired, '<framework>+adapter' runs the adapter with DIR's code on side a",
     )
     parser.add_argument(
         "--paired",
@@ -850,9 +987,12 @@ def main() -> None:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child and args.paired:
+        other_code = Path(args.compare) if args.compare else None
         print(
             json.dumps(
-                paired_child(args.child, Path(args.out), args.steps, args.hidden, args.paired)
+                paired_child(
+                    args.child, Path(args.out), args.steps, args.hidden, args.paired, other_code
+                )
             )
         )
         return
@@ -880,8 +1020,8 @@ def main() -> None:
                 f"--paired: expected --only to name a framework config "
                 f"({', '.join(frameworks)}, each with or without '+adapter'), got {args.only!r}"
             )
-        if args.compare:
-            parser.error("--paired compares within a process; it takes no --compare")
+        if args.compare and not (Path(args.compare) / "recis_async" / "__init__.py").is_file():
+            parser.error(f"--compare: expected a checkout holding recis_async/, got {args.compare}")
     unknown = [c for c in configs if c not in CONFIGS]  # (before the --compare labels)
     if unknown:
         parser.error(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
@@ -889,7 +1029,8 @@ def main() -> None:
     configs = [c for c in configs if c not in skipped]
     if skipped:
         print(f"skipped (framework not installed): {', '.join(skipped)}", file=sys.stderr)
-    if args.compare:  # every config but the plain ones again, with the other checkout's code
+    if args.compare and not args.paired:  # every config but the plain ones again, with the
+        # other checkout's code (--paired: in the same process, see paired_child)
         other = Path(args.compare).resolve().name
         pairs = [[c] if c.startswith("plain") else [c, f"{c}@{other}"] for c in configs]
         configs = [label for pair in pairs for label in pair]
@@ -917,6 +1058,11 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     if args.paired:
+        if args.compare:
+            print(
+                f"side a: '<framework>+adapter' with the recis_async of {args.compare}; "
+                "side b: with this checkout's (a bare framework: the A/A)"
+            )
         print(paired_report(results))
         return
     print(report(results, args.reps))

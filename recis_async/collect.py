@@ -26,7 +26,7 @@ import torch
 
 from .aggregate import Reduction, check_reduction
 from .events import metric_dtypes
-from .hostcopy import DEFAULT_HOST_BUFFER_BYTES, HostBufferPool, HostCopy, resolved_dtype
+from .hostcopy import DEFAULT_HOST_BUFFER_BYTES, HostBufferPool, HostCopy, held, resolved_dtype
 
 __all__ = [
     "StepCollector",
@@ -97,6 +97,11 @@ READ_CPU_AT_CALL: Final = True
 _current: ContextVar[StepCollector | None] = ContextVar("recis_async_collector", default=None)
 _STRIDED: Final = torch.strided
 _METRIC_DTYPES: Final = metric_dtypes()
+#: the dtypes a CPU trace column is held in as it is (add_to_trace), with numpy's for each:
+#: the metric dtypes but bfloat16, which numpy lacks (it is copied as float32 at the call)
+_HELD_DTYPES: Final = {
+    dtype: resolved_dtype(dtype) for dtype in _METRIC_DTYPES if dtype is not torch.bfloat16
+}
 
 
 def bind(collector: StepCollector) -> Token[StepCollector | None]:
@@ -281,8 +286,10 @@ def add_to_trace(name: str, value: Any) -> None:
 
     A tensor on a device starts a non-blocking copy into a host buffer of the bus's pool and
     is recorded as a :class:`~recis_async.hostcopy.HostCopy` (resolved off the step; see
-    :mod:`recis_async.hostcopy`); a CPU tensor (nothing to wait for), numpy arrays and lists
-    are copied as numpy arrays (``bfloat16`` as ``float32``).
+    :mod:`recis_async.hostcopy`).  A dense CPU tensor is cloned and recorded as a
+    ``HostCopy`` of the clone, resolved off the step as well (numpy's conversion and copy
+    would cost the step more than the clone); CPU tensors of other kinds (``bfloat16`` as
+    ``float32``), numpy arrays and lists are copied as numpy arrays.
 
     A column is recorded once per step: a second call with the same name before the step's
     ``AfterStep`` is refused (it would silently replace the first).  A masked numpy array is
@@ -299,23 +306,25 @@ def add_to_trace(name: str, value: Any) -> None:
             f"values and call add_to_trace once"
         )
     # the hot path is kept short on purpose (it runs every step, right after the model's
-    # compute, when Python's code is out of cache): a plain dense CPU tensor without grad
-    # is copied through its numpy view at once; ``numpy()`` refuses every other kind (grad,
-    # conjugate or negative bit, sparse, nested, no numpy dtype), which then takes the
-    # checked way below and its messages
-    if type(value) is torch.Tensor and value.is_cpu and READ_CPU_AT_CALL:
-        try:
-            array = value.numpy().copy()
-        except (RuntimeError, TypeError):
-            pass
-        else:
-            if array.ndim == 0:
-                raise ValueError(
-                    f"add_to_trace({name!r}): expected one entry per row (1-D or 2-D), got a scalar"
-                )
-            array.setflags(write=False)  # ours alone: hooks may keep it without another copy
-            collector.trace[name] = array
-            return
+    # compute, when Python's code -- and numpy's -- is out of cache): a dense CPU tensor of
+    # a dtype numpy has is cloned and held, read off the step (hostcopy.held); every other
+    # kind (sparse, nested, bfloat16, no numpy dtype) takes the checked way below
+    if (
+        type(value) is torch.Tensor
+        and value.is_cpu
+        and READ_CPU_AT_CALL
+        and (dtype := _HELD_DTYPES.get(value.dtype)) is not None
+        and value.layout is _STRIDED
+        and not value.is_nested
+    ):
+        if not value.shape:
+            raise ValueError(
+                f"add_to_trace({name!r}): expected one entry per row (1-D or 2-D), got a scalar"
+            )
+        collector.trace[name] = held(
+            (value.detach() if value.requires_grad else value).clone(), dtype
+        )
+        return
     if isinstance(value, torch.Tensor):
         _check_tensor("add_to_trace", name, value)
         if value.dim() == 0:

@@ -1,11 +1,13 @@
 """Recorded tensors leave the device without blocking: :class:`HostCopy` and its pool.
 
-``add_to_trace`` and ``add_to_ml_tracker`` given a tensor call :meth:`HostBufferPool.copy`:
-the tensor is copied into a host buffer taken from the bus's pool -- ``copy_(src,
-non_blocking=True)`` on the current stream, then a CUDA event recorded after it -- and the
-step goes on at once.  On the CPU the copy is a plain copy and there is no event; everything
-else is the same code, so the CPU test suite runs the logic a GPU runs.  The value is the one
-at the call: stream order puts the copy before any later in-place update.
+``add_to_trace`` and ``add_to_ml_tracker`` given a tensor on a device call
+:meth:`HostBufferPool.copy`: the tensor is copied into a host buffer taken from the bus's pool
+-- ``copy_(src, non_blocking=True)`` on the current stream, then a CUDA event recorded after
+it -- and the step goes on at once.  On the CPU the copy is a plain copy and there is no
+event; everything else is the same code, so the CPU test suite runs the logic a GPU runs
+(``collect.READ_CPU_AT_CALL`` false sends CPU tensors this way).  The value is the one at the
+call: stream order puts the copy before any later in-place update.  A CPU tensor traced in an
+ordinary run needs no buffer: :func:`held` keeps the caller's clone of it, read when resolved.
 
 A :class:`HostCopy` knows its dtype, shape and size without reading anything.
 :meth:`HostCopy.ready` never blocks; :meth:`HostCopy.resolve` waits for the copy (call it in
@@ -55,6 +57,7 @@ __all__ = [
     "DEFAULT_WAIT_TIMEOUT",
     "HostBufferPool",
     "HostCopy",
+    "held",
     "resolved_dtype",
 ]
 
@@ -137,6 +140,7 @@ class HostCopy:
         "_pool",
         "_result",
         "_slot",
+        "_source",
         "_step",
         "device",
         "dtype",
@@ -148,7 +152,7 @@ class HostCopy:
 
     def __init__(
         self,
-        pool: HostBufferPool,
+        pool: HostBufferPool | None,
         slot: _Slot | None,
         event: Any,
         dtype: np.dtype[Any],
@@ -157,9 +161,11 @@ class HostCopy:
         source_dtype: torch.dtype,
         device: torch.device,
         step: int,
+        source: torch.Tensor | None = None,
     ) -> None:
         self._pool = pool
         self._slot = slot
+        self._source = source  # a CPU tensor of its own, read when resolved (see held)
         self._event = event
         self._lock = threading.Lock()
         self._step = step
@@ -170,7 +176,7 @@ class HostCopy:
         self.nbytes = size * dtype.itemsize
         self.source_dtype = source_dtype
         self.device = device
-        if slot is None:  # nothing to copy (no elements)
+        if slot is None and source is None:  # nothing to copy (no elements)
             self._result = _readonly(np.empty(shape, dtype))
 
     @property
@@ -196,7 +202,8 @@ class HostCopy:
     def resolve(self) -> np.ndarray:
         """The values as an owned, read-only numpy array; the first call waits for the copy
         (on a GPU: for the device to reach it -- call it in a worker thread unless
-        :meth:`ready`), copies the values out and gives the buffer back to the pool.
+        :meth:`ready`), copies the values out and gives the buffer back to the pool (a
+        :func:`held` clone is read as it is).
 
         Raises:
             RuntimeError: the copy was :meth:`release` d before it was resolved.
@@ -209,7 +216,10 @@ class HostCopy:
             event.synchronize()  # this copy only, not the whole device
         with self._lock:
             result = self._result
-            if result is None:
+            if result is None and self._source is not None:  # held: its values are here
+                result = self._result = _readonly(self._source.numpy(force=True))
+                self._source = None
+            elif result is None:
                 slot = self._slot
                 if slot is None:
                     raise RuntimeError(
@@ -217,7 +227,8 @@ class HostCopy:
                     )
                 result = self._result = _copy_out(slot.view, self.dtype)
                 self._slot = None
-                self._pool._give_back(self, slot, None)
+                if self._pool is not None:  # (a copy with a buffer has its pool)
+                    self._pool._give_back(self, slot, None)
         return result
 
     def release(self) -> None:
@@ -226,7 +237,8 @@ class HostCopy:
         until it has.  Idempotent."""
         with self._lock:
             slot, self._slot = self._slot, None
-        if slot is not None:
+            self._source = None
+        if slot is not None and self._pool is not None:
             self._pool._give_back(self, slot, self._event)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
@@ -238,12 +250,23 @@ class HostCopy:
 
     def __repr__(self) -> str:
         state = "resolved" if self._result is not None else "pending"
-        if self._result is None and self._slot is None:
+        if self._result is None and self._slot is None and self._source is None:
             state = "released"
         return (
             f"<HostCopy {self.source_dtype} {tuple(self.shape)} from {self.device}, "
             f"{self.nbytes} bytes, {state}>"
         )
+
+
+def held(clone: torch.Tensor, dtype: np.dtype[Any]) -> HostCopy:
+    """A :class:`HostCopy` of ``clone``, a CPU tensor nobody else holds (the caller's clone)
+    of a dtype that numpy has (``dtype``): resolved by reading it, off the step.  No pool
+    buffer and no wait: the step is spared numpy's conversion and copy, whose code a step
+    runs cold, right after the model's compute, at a cost above the clone's
+    (benchmarks/README.md, "CPU trace columns held as tensors")."""
+    return HostCopy(
+        None, None, None, dtype, clone.shape, clone.numel(), clone.dtype, clone.device, 0, clone
+    )
 
 
 def _readonly(array: np.ndarray) -> np.ndarray:

@@ -154,6 +154,10 @@ def test_bench_peers_median_interval_is_the_sign_tests() -> None:
         (["--paired", "0", "--only", "ignite"], "--paired: expected a number of jobs a side >= 1"),
         (["--paired", "2", "--only", "trainer"], "--paired: expected --only to name a framework"),
         (["--steps", "40"], "--steps: expected more than 52 (50 warm-up), got 40"),
+        (
+            ["--paired", "2", "--only", "ignite+adapter", "--compare", "benchmarks"],
+            "--compare: expected a checkout holding recis_async/, got benchmarks",
+        ),
     ],
 )
 def test_bench_peers_refuses_what_it_cannot_measure(argv: list[str], message: str) -> None:
@@ -183,6 +187,8 @@ def test_bench_peers_paired_report_reads_each_block_at_its_speed() -> None:
             "b_model_us": speed_b * model,
             "b_p50_ms": speed_b * (model + framework + adapter) / 1e3,
             "b_gc_us": 2.0,
+            "a_ours_us": 0.0,
+            "b_ours_us": speed_b * 60.0,  # of the adapter's 100: the library's own code
         }
 
     runs = [{"pairs": [pair(1.0, 1.3), pair(1.3, 1.0), pair(1.0, 1.0)]}]
@@ -193,6 +199,12 @@ def test_bench_peers_paired_report_reads_each_block_at_its_speed() -> None:
     assert row[4].strip() == "+100 to +100 (3)", table
     assert row[6].strip() == "+100 (-20 to +250)", table  # raw: the speed's, not the adapter's
     assert row[7].strip() == "0 / 2 µs", table
+    assert row[8].strip() == "+60.0 µs (+60.0 to +60.0)", table
+    # without --compare the library's code is not timed (side a has none): no figure
+    for p in runs[0]["pairs"]:
+        del p["a_ours_us"], p["b_ours_us"]
+    table = _bench_peers().paired_report({"ignite+adapter": runs})
+    assert table.splitlines()[2].split("|")[8].strip() == "–", table
 
 
 @pytest.mark.slow

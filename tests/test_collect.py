@@ -32,11 +32,14 @@ async def test_collected_values_attach_to_the_next_after_step_then_clear(tensor_
         assert isinstance(first.metrics["loss"], torch.Tensor)  # kept on its device, not read
         # tensors reach AfterStep as host copies (issue 23), read with np.asarray
         assert isinstance(first.trace["user_id"], HostCopy)
-    else:  # a CPU tensor waits for nothing: read at the call
+    else:  # a CPU tensor waits for nothing: a metric or tracked value is read at the call
         assert first.metrics["loss"] == 0.5 and type(first.metrics["loss"]) is float
-        assert type(first.trace["user_id"]) is np.ndarray
-        assert not first.trace["user_id"].flags.writeable
         assert first.tracked["hist"] == [1.0, 2.0]
+        # a trace column is held as a clone, read off the step (hostcopy.held)
+        held = first.trace["emb"]
+        assert isinstance(held, HostCopy) and not held.resolved
+        assert (held.dtype, tuple(held.shape), held.nbytes) == (np.dtype(np.float32), (3, 2), 24)
+        assert not np.asarray(held).flags.writeable and held.resolved
     assert read_values(first.metrics) == {"loss": 0.5, "lr": 0.1}
     assert np.asarray(first.trace["user_id"]).tolist() == [1, 2, 3]
     assert np.asarray(first.trace["emb"]).tolist() == [[0, 1], [2, 3], [4, 5]]
@@ -151,10 +154,11 @@ async def test_trace_values_are_private_read_only_copies_and_ragged_lists_work()
     assert [row.tolist() for row in seen[0].trace["tags"]] == [[1, 2], [3], []]
 
 
-async def test_a_plain_cpu_tensor_is_traced_as_a_private_read_only_copy() -> None:
-    """The fast way (a dense CPU tensor without grad, read through its numpy view): a copy
-    the caller's later in-place changes do not reach, strided views laid out, a grad tensor
-    and a 0-d one taking the checked way as before."""
+async def test_a_plain_cpu_tensor_is_traced_as_a_held_clone_read_off_the_step() -> None:
+    """The fast way (a dense CPU tensor of a numpy dtype): a clone the caller's later
+    in-place changes do not reach, held as a ``HostCopy`` that is read only when resolved
+    (off the step: numpy's conversion costs a cold step more than the clone), strided views
+    laid out, a grad tensor detached, a negative bit resolved, and a 0-d one refused."""
     seen: list[AfterStep] = []
     ids = torch.arange(6)
     async with HookBus() as bus:
@@ -162,15 +166,21 @@ async def test_a_plain_cpu_tensor_is_traced_as_a_private_read_only_copy() -> Non
         add_to_trace("ids", ids)
         add_to_trace("every_other", torch.arange(10)[::2])
         add_to_trace("grad", torch.ones(2, requires_grad=True))
+        add_to_trace("negated", torch._neg_view(torch.arange(3.0)))
         ids.add_(100)  # after the call: not in the trace
         with pytest.raises(ValueError, match=r"add_to_trace\('x'\): expected one entry per row"):
             add_to_trace("x", torch.tensor(3))
         await bus.publish(AfterStep())
     trace = seen[0].trace
-    assert trace["ids"].tolist() == list(range(6)) and not trace["ids"].flags.writeable
-    assert trace["every_other"].tolist() == [0, 2, 4, 6, 8]
-    assert trace["every_other"].flags.c_contiguous
-    assert trace["grad"].tolist() == [1.0, 1.0] and "x" not in trace
+    assert all(type(v) is HostCopy and not v.resolved for v in trace.values())
+    assert "x" not in trace
+    values = {name: np.asarray(v) for name, v in trace.items()}
+    assert values["ids"].tolist() == list(range(6)) and not values["ids"].flags.writeable
+    assert values["every_other"].tolist() == [0, 2, 4, 6, 8]
+    assert values["every_other"].flags.c_contiguous
+    assert values["grad"].tolist() == [1.0, 1.0]
+    assert values["negated"].tolist() == [-0.0, -1.0, -2.0]
+    assert trace["ids"].dtype == np.dtype(np.int64) and len(trace["ids"]) == 6
 
 
 async def test_trace_tensors_of_every_kind_are_copied_as_their_values() -> None:
