@@ -57,7 +57,9 @@ own speed (as a share of its model time); printed per config: the median over ev
 thread's garbage collection a step on each side.  With ``--compare DIR`` as well, side ``a``
 of ``<framework>+adapter`` runs the adapter too, with the ``recis_async`` of the checkout
 ``DIR`` (both packages loaded in the process, each job run with its side's): what a change
-costs or saves the adapter's step, resolved as finely as the adapter's own cost.
+costs or saves the adapter's step.  The step thread's CPU in the library's own code alone
+(the adapter's callbacks, the bus and hooks inside them, the model's collector calls) is
+printed beside it: free of the framework's and the model's variation, it resolves a few µs.
 
     python benchmarks/bench_peers.py [--reps 6] [--steps 1500] [--only trainer,own,...]
     python benchmarks/bench_peers.py --quick          # every config once, a few steps
@@ -124,7 +126,8 @@ class Clock:
         self.gc: list[int] = []  # the step thread's garbage collection so far, ns
         self.gc_ns = 0
         self.gc_started = 0
-        self.ours: list[int] = []  # the step thread's CPU in this library's code, ns (--paired)
+        self.ours: list[int] = []  # the step thread's CPU in this library's code so far, ns
+        # (--paired --compare: see time_our_code)
         self.ours_ns = 0
         self.in_ours = False
 
