@@ -186,7 +186,9 @@ def add_metric(name: str, value: Any, reduce: Reduction = "mean") -> None:
     ``"max"``, ``"min"``, ``"last"``, or a callable given every step's value as a 1-D numpy
     array; see :class:`~recis_async.aggregate.MetricAggregator`.
     """
-    collector = current_collector("add_metric")
+    collector = _current.get()
+    if collector is None or not collector.open:
+        collector = current_collector("add_metric")  # raises, naming the call
     if type(name) is not str or not name:
         _check_name("add_metric", name)
     if reduce != "mean":
@@ -199,7 +201,11 @@ def add_metric(name: str, value: Any, reduce: Reduction = "mean") -> None:
         and value.dtype in _METRIC_DTYPES
         and value.layout is _STRIDED
     ):
-        value = _cpu_item("add_metric", name, value)
+        try:  # read here, not in a helper: every code path the step runs, it runs cold
+            value = value.item()
+        except NotImplementedError:  # a nested tensor, which none of the checks tells apart
+            _check_tensor("add_metric", name, value)  # raises for what item() cannot read
+            raise
     elif type(value) is torch.Tensor:
         if (
             value.is_meta
@@ -219,17 +225,6 @@ def add_metric(name: str, value: Any, reduce: Reduction = "mean") -> None:
         collector.reduce[name] = reduce
     elif collector.reduce:
         collector.reduce.pop(name, None)
-
-
-def _cpu_item(caller: str, name: str, value: torch.Tensor) -> Any:
-    """The number in a one-element strided CPU tensor of a metric dtype (checked by the
-    caller, with the fewest tensor attribute reads: each costs the step); a nested tensor,
-    which none of those reads tells apart, is refused here by name."""
-    try:
-        return value.item()
-    except NotImplementedError:
-        _check_tensor(caller, name, value)  # raises for what item() cannot read
-        raise
 
 
 def _host_array(caller: str, name: str, value: torch.Tensor) -> np.ndarray:
@@ -418,7 +413,9 @@ def add_to_ml_tracker(name: str, value: Any) -> None:
     without waiting (a :class:`~recis_async.hostcopy.HostCopy`, as for :func:`add_to_trace`)
     and converted to the tracker's float off the step: one element as a number, more as an
     array; a CPU tensor (nothing to wait for) is converted at the call."""
-    collector = current_collector("add_to_ml_tracker")
+    collector = _current.get()
+    if collector is None or not collector.open:
+        collector = current_collector("add_to_ml_tracker")  # raises, naming the call
     if type(name) is not str or not name:
         _check_name("add_to_ml_tracker", name)
     if type(value) is float or type(value) is int:  # the common case, kept cheap on the step
@@ -432,7 +429,11 @@ def add_to_ml_tracker(name: str, value: Any) -> None:
         and value.dtype in _METRIC_DTYPES
         and value.layout is _STRIDED
     ):
-        collector.tracked[name] = _cpu_item("add_to_ml_tracker", name, value)
+        try:  # as in add_metric
+            collector.tracked[name] = value.item()
+        except NotImplementedError:
+            _check_tensor("add_to_ml_tracker", name, value)
+            raise
         return
     if isinstance(value, torch.Tensor):
         _check_tensor("add_to_ml_tracker", name, value)

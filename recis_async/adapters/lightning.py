@@ -192,7 +192,8 @@ class RecisCallback(Adapter, pl.Callback):
                 loss,
                 metrics,
             )
-        self._follow()
+        if driver.inside() is not self._followed:  # a hook (un)subscribed: re-route
+            self._follow()
         if stop:
             trainer.should_stop = True
 

@@ -198,7 +198,8 @@ class RecisTrainerCallback(Adapter, transformers.TrainerCallback):
         control: transformers.TrainerControl,
         **kwargs: Any,
     ) -> None:
-        self._flush(control)
+        if self._pending:  # (_flush's test, without its call on every step)
+            self._flush(control)
         self._loss, self._micro, self._samples = None, 0, 0
         self._place = place = (state.global_step, self._local, self._epoch)
         if self._driver.follows():

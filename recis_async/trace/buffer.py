@@ -245,17 +245,19 @@ class ColumnBuffer:
                     chunk: Chunk = value
                 else:
                     chunk = freeze(value)
+                n = len(value)
             elif type(value) is HostCopy:
-                if dtype is None or value.ndim != ndim:
+                shape = value.shape  # its slot, not its ``ndim`` / ``len``: a call each
+                if dtype is None or len(shape) != ndim:
                     return None
                 if ndim == 2 and value.size > _OFFSET_MAX:
                     return None
                 if value.dtype != dtype and (dtype.kind != "f" or value.dtype.kind not in "fiu"):
                     return None  # widening ints and the rest: the slow path's host_chunk
                 chunk = value
+                n = shape[0]
             else:
                 return None
-            n = len(value)
             if n != rows:
                 if rows >= 0:
                     return None
