@@ -21,11 +21,12 @@ from contextvars import ContextVar, Token
 from numbers import Number
 from typing import Any, Final
 
+import msgspec
 import numpy as np
 import torch
 
 from .aggregate import Reduction, check_reduction
-from .events import metric_dtypes
+from .events import AfterStep, metric_dtypes
 from .hostcopy import DEFAULT_HOST_BUFFER_BYTES, HostBufferPool, HostCopy, held, resolved_dtype
 
 __all__ = [
@@ -61,23 +62,34 @@ class StepCollector:
             self.is_train = is_train
             self.drop()
 
-    def take(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
-        """Hand over the step's metrics, trace, tracked values and reductions; start empty.
-        The host copies of earlier steps go to the copy-out thread (see
+    def merged(self, event: AfterStep) -> AfterStep:
+        """``event`` with the step's metrics, trace, tracked values and reductions merged in
+        (a name the event carries itself keeps the event's value); the collector starts the
+        next step empty.  Both sides were checked already (the event when built, the values
+        by ``add_metric`` and friends), so the copy is filled in place of
+        ``msgspec.structs.replace``, which would check them again.  The host copies of
+        earlier steps go to the copy-out thread (see
         :meth:`~recis_async.hostcopy.HostBufferPool.next_step`)."""
-        taken = (self.metrics, self.trace, self.tracked, self.reduce)
+        merged: AfterStep = event.__copy__()  # type: ignore[attr-defined]  # C, unstubbed
+        fill = msgspec.structs.force_setattr
+        # a field nothing was collected for keeps the event's own (frozen, shared) value, and
         # only what is handed over is replaced (an empty dict stays nobody else's)
-        if taken[0]:
+        if metrics := self.metrics:
+            fill(merged, "metrics", {**metrics, **event.metrics} if event.metrics else metrics)
             self.metrics = {}
-        if taken[1]:
+        if trace := self.trace:
+            fill(merged, "trace", {**trace, **event.trace} if event.trace else trace)
             self.trace = {}
-        if taken[2]:
+        if tracked := self.tracked:
+            fill(merged, "tracked", {**tracked, **event.tracked} if event.tracked else tracked)
             self.tracked = {}
-        if taken[3]:
+        if reduce := self.reduce:
+            fill(merged, "reduce", {**reduce, **event.reduce} if event.reduce else reduce)
             self.reduce = {}
-        if self.host.busy:  # a job on the CPU never copies: nothing to hand over
-            self.host.next_step()
-        return taken
+        host = self.host
+        if host.copies and host.busy:  # a job on the CPU never copies: nothing to hand over
+            host.next_step()
+        return merged
 
     def drop(self) -> None:
         """Forget what was collected (the step did not happen, or is of the other kind): the
