@@ -386,7 +386,7 @@ class Driver:
     ) -> bool:
         if loss is not None:
             add_metric("loss", loss)
-        if metrics:
+        if metrics and (len(metrics) > 1 or "loss" not in metrics):  # not the loss alone
             extra = {
                 name: value
                 for name, value in metrics.items()

@@ -314,9 +314,10 @@ def _logged_on_step(trainer: pl.Trainer) -> dict[str, Any]:
         return {}
     logged: dict[str, Any] = {}
     try:
-        for _, metric in results.valid_items():
+        loader = results.dataloader_idx
+        for metric in results.values():  # its valid_items(), written out: no generator
             meta = metric.meta
-            if not meta.on_step:
+            if metric.has_reset or meta.dataloader_idx != loader or not meta.on_step:
                 continue
             value = metric._forward_cache
             if isinstance(value, torch.Tensor) and value.numel() == 1:
