@@ -238,7 +238,11 @@ class ColumnBuffer:
                     return None
                 if ndim == 2 and value.size > _OFFSET_MAX:
                     return None  # too many elements for int32 offsets: convert says so
-                if value.dtype != dtype and (dtype.kind != "f" or value.dtype.kind not in "fiu"):
+                if (
+                    value.dtype is not dtype
+                    and value.dtype != dtype
+                    and (dtype.kind != "f" or value.dtype.kind not in "fiu")
+                ):
                     return None  # integer narrowing, bools...: checked by convert
                 flags = value.flags  # freeze(value), inlined: a collector's copy is kept
                 if not flags.writeable and flags.owndata and flags.c_contiguous:
@@ -252,7 +256,13 @@ class ColumnBuffer:
                     return None
                 if ndim == 2 and value.size > _OFFSET_MAX:
                     return None
-                if value.dtype != dtype and (dtype.kind != "f" or value.dtype.kind not in "fiu"):
+                # (numpy's dtypes of its own types are single objects: ``is`` first spares
+                # the step numpy's comparison, whose code it would run cold)
+                if (
+                    value.dtype is not dtype
+                    and value.dtype != dtype
+                    and (dtype.kind != "f" or value.dtype.kind not in "fiu")
+                ):
                     return None  # widening ints and the rest: the slow path's host_chunk
                 chunk = value
                 n = shape[0]
