@@ -3,27 +3,24 @@
 At every ``AfterStep`` that carries trace data (``add_to_trace``), the step's columns are
 checked against the declared ``fields``/``types`` at once -- a bad step raises ``ValueError``
 from that ``publish`` (as :class:`~recis_async.HookError`) and nothing of it is kept -- and
-appended to a :class:`~recis_async.trace.buffer.ColumnBuffer`. Traced tensors arrive as
+appended to a :class:`~recis_async.trace.buffer.ColumnBuffer`.  Traced tensors arrive as
 :class:`~recis_async.hostcopy.HostCopy` s: checked by their dtype and shape, never read by the
-step; their values are copied out by the bus's copy-out thread once the device has copied them,
-or by the writer's worker thread. When the buffer holds ``size_threshold`` bytes (checked by
-each step), or its oldest row is ``max_age`` seconds old (checked by the writer's timer every
-quarter of ``max_age``, at most every second), it is sealed into an immutable batch and handed
-to a :class:`~recis_async.trace.service.TraceWriter` whose ``worker_num`` workers write it
-through the sink in worker threads. Memory stays bounded: ``after_step`` waits only while
-``worker_num + 1`` sealed batches are pending. Leaving the bus seals the rest and drains
-everything within the bus's ``flush_timeout``; what cannot be delivered is spilled to a
-replayable file and reported as an error. The sink is opened when the bus starts and ``Start``
-waits for that open, so its cost lands before the first step.
+step; their values are copied out by the bus's copy-out thread once the device has copied
+them, or by the writer's worker thread.  When the buffer holds
+``size_threshold`` bytes (or its oldest row is ``max_age`` seconds old) it is sealed into an
+immutable batch and handed to a :class:`~recis_async.trace.service.TraceWriter` whose ``worker_num``
+workers write it through the sink in worker threads.  Memory stays bounded: ``after_step``
+waits only while ``worker_num + 1`` sealed batches are pending.  Leaving the bus seals the
+rest and drains everything within the bus's ``flush_timeout``; what cannot be delivered is
+spilled to a replayable file and reported as an error.  The sink is opened when the bus starts
+and ``Start`` waits for that open, so its cost lands before the first step.
 
-Bounds: rows wait in memory at most ``max_age`` seconds (30 by default; the timer's period and
-the loop's next turn -- at most 100 ms on a bus the steps keep busy -- on top) or
-``size_threshold`` bytes before they are sealed and handed over, so a ``kill -9`` loses at most
-that much plus the ``worker_num + 1`` batches pending; a ``publish`` waits for room at most
-``send_timeout`` seconds (then the batch is spilled), and not past a stop request (then the
-batch is kept for the close to deliver: at most ``worker_num + 1`` more batches in memory); rows
-that can be neither written nor spilled are reported on the next step that reaches the hook, and
-at close.
+Bounds: rows wait in memory at most ``max_age`` seconds (30 by default) or ``size_threshold``
+bytes before they are sealed and handed over, so a ``kill -9`` loses at most that much plus the
+``worker_num + 1`` batches pending; a ``publish`` waits for room at most ``send_timeout``
+seconds (then the batch is spilled), and not past a stop request (then the batch is kept for
+the close to deliver: at most ``worker_num + 1`` more batches in memory); rows that can be
+neither written nor spilled are reported on the next step that reaches the hook, and at close.
 """
 
 from __future__ import annotations
@@ -129,6 +126,7 @@ class TraceHook(Hook):
         if check_fields is not None:
             check_fields(self._buffer.fields, type(self).__name__)
         self._threshold = size_threshold
+        self._max_age = max_age
         self._writer = TraceWriter(
             sink,
             worker_num=worker_num,
@@ -246,9 +244,7 @@ class TraceHook(Hook):
                 _size(buffer.step_nbytes),
                 _size(self._threshold),
             )
-        # sealed here by size; by age, the writer's max_age timer seals it (every quarter of
-        # max_age, at most 1 s): a clock read on every step would cost it more
-        if buffer.nbytes >= self._threshold:
+        if buffer.due(self._threshold, self._max_age):
             return writer.send(buffer.seal())  # a loss seen here is raised by the next step
         return None
 

@@ -136,9 +136,7 @@ class ColumnBuffer:
         self._index = {name: i for i, name in enumerate(self.fields)}
         self._chunks: list[list[Chunk]] = [[] for _ in self.fields]
         self._rows = 0
-        #: exact bytes held by the buffered columns (a plain attribute: the feeding hook reads
-        #: it on every step, where a property's call would run cold)
-        self.nbytes = 0
+        self._nbytes = 0
         self._steps = 0
         self._first_at: float | None = None
         # the first and last ``global_step`` buffered (the sealed batch's ``steps``)
@@ -157,6 +155,11 @@ class ColumnBuffer:
     @property
     def rows(self) -> int:
         return self._rows
+
+    @property
+    def nbytes(self) -> int:
+        """Exact bytes held by the buffered columns."""
+        return self._nbytes
 
     @property
     def steps(self) -> int:
@@ -288,7 +291,7 @@ class ColumnBuffer:
             held.append(chunk)
             nbytes += chunk.nbytes
         self._rows += rows
-        self.nbytes += nbytes
+        self._nbytes += nbytes
         self.step_nbytes = nbytes
         self._steps += 1
         if self._first_at is None:
@@ -299,6 +302,14 @@ class ColumnBuffer:
             self._last_step = step
         return rows
 
+    def due(self, size_threshold: int, max_age: float | None) -> bool:
+        """Whether the buffer should be sealed now: it holds ``size_threshold`` bytes, or its
+        oldest row is ``max_age`` seconds old (one call a step, for the feeding hook)."""
+        if self._nbytes >= size_threshold:
+            return True
+        first = self._first_at
+        return max_age is not None and first is not None and time.monotonic() - first >= max_age
+
     def seal(self) -> Batch | None:
         """Hand over everything buffered as a :class:`Batch` and start empty (None if empty)."""
         if not self._rows:
@@ -306,7 +317,7 @@ class ColumnBuffer:
         batch = Batch(
             seq=self._next_seq,
             rows=self._rows,
-            nbytes=self.nbytes,
+            nbytes=self._nbytes,
             fields=self.fields,
             types=self.types,
             columns=tuple(tuple(chunks) for chunks in self._chunks),
@@ -316,6 +327,6 @@ class ColumnBuffer:
         self._next_seq += 1
         self._first_step = None
         self._chunks = [[] for _ in self.fields]
-        self._rows = self.nbytes = self._steps = 0
+        self._rows = self._nbytes = self._steps = 0
         self._first_at = None
         return batch
