@@ -25,7 +25,6 @@ from typing import Any, TypeVar
 
 import anyio
 import anyio.lowlevel
-import msgspec
 from anyio.abc import TaskGroup
 
 from . import collect, dist, routes
@@ -34,7 +33,7 @@ from ._checks import on_error as check_on_error
 from .collect import StepCollector
 from .console import TRACEBACKS_LOGGED, log_failure
 from .errors import HookError, OnError
-from .events import LIFECYCLE, AfterStep, BeforeStep, End, Error, Event, method_name
+from .events import LIFECYCLE, BeforeStep, End, Error, Event, method_name
 from .hook import RESERVED_NAMES, Hook
 from .hostcopy import DEFAULT_HOST_BUFFER_BYTES
 from .priority import Priority, priority_value
@@ -632,9 +631,10 @@ class HookBus:
             if kind == KIND_AFTER_STEP:
                 collector = self._collector
                 if collector.metrics or collector.trace or collector.tracked:
-                    event = self._with_collected(event)  # type: ignore[arg-type]
-                    if collector.host.full:  # back-pressure: the device is behind
-                        await collector.host.make_room(self._stopping)
+                    event = collector.merged(event)  # type: ignore[arg-type]
+                    host = collector.host
+                    if host.copies and host.full:  # back-pressure: the device is behind
+                        await host.make_room(self._stopping)
             elif kind == KIND_BEFORE_STEP:
                 self._collector.begin_step(event.is_train)
             elif kind == KIND_OUT_OF_DATA:
@@ -772,24 +772,6 @@ class HookBus:
         ]
         if lines:
             logger.info("outputs of this run:\n%s", "\n".join(lines))
-
-    def _with_collected(self, event: AfterStep) -> AfterStep:
-        """``event`` with the collectors' values merged in.  Both sides were checked already
-        (the event when built, the values by ``add_metric`` and friends), so the copy is
-        filled in place of ``msgspec.structs.replace``, which would check them again."""
-        metrics, trace, tracked, reduce = self._collector.take()
-        merged: AfterStep = event.__copy__()  # type: ignore[attr-defined]  # C, unstubbed
-        fill = msgspec.structs.force_setattr
-        # a field nothing was collected for keeps the event's own (frozen, shared) value
-        if metrics:
-            fill(merged, "metrics", {**metrics, **event.metrics} if event.metrics else metrics)
-        if trace:
-            fill(merged, "trace", {**trace, **event.trace} if event.trace else trace)
-        if tracked:
-            fill(merged, "tracked", {**tracked, **event.tracked} if event.tracked else tracked)
-        if reduce:
-            fill(merged, "reduce", {**reduce, **event.reduce} if event.reduce else reduce)
-        return merged
 
     # ------------------------------------------------------------------ control
     def request_stop(self, reason: str = "") -> None:

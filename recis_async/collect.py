@@ -21,11 +21,12 @@ from contextvars import ContextVar, Token
 from numbers import Number
 from typing import Any, Final
 
+import msgspec
 import numpy as np
 import torch
 
 from .aggregate import Reduction, check_reduction
-from .events import metric_dtypes
+from .events import AfterStep, metric_dtypes
 from .hostcopy import DEFAULT_HOST_BUFFER_BYTES, HostBufferPool, HostCopy, held, resolved_dtype
 
 __all__ = [
@@ -61,23 +62,34 @@ class StepCollector:
             self.is_train = is_train
             self.drop()
 
-    def take(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
-        """Hand over the step's metrics, trace, tracked values and reductions; start empty.
-        The host copies of earlier steps go to the copy-out thread (see
+    def merged(self, event: AfterStep) -> AfterStep:
+        """``event`` with the step's metrics, trace, tracked values and reductions merged in
+        (a name the event carries itself keeps the event's value); the collector starts the
+        next step empty.  Both sides were checked already (the event when built, the values
+        by ``add_metric`` and friends), so the copy is filled in place of
+        ``msgspec.structs.replace``, which would check them again.  The host copies of
+        earlier steps go to the copy-out thread (see
         :meth:`~recis_async.hostcopy.HostBufferPool.next_step`)."""
-        taken = (self.metrics, self.trace, self.tracked, self.reduce)
+        merged: AfterStep = event.__copy__()  # type: ignore[attr-defined]  # C, unstubbed
+        fill = msgspec.structs.force_setattr
+        # a field nothing was collected for keeps the event's own (frozen, shared) value, and
         # only what is handed over is replaced (an empty dict stays nobody else's)
-        if taken[0]:
+        if metrics := self.metrics:
+            fill(merged, "metrics", {**metrics, **event.metrics} if event.metrics else metrics)
             self.metrics = {}
-        if taken[1]:
+        if trace := self.trace:
+            fill(merged, "trace", {**trace, **event.trace} if event.trace else trace)
             self.trace = {}
-        if taken[2]:
+        if tracked := self.tracked:
+            fill(merged, "tracked", {**tracked, **event.tracked} if event.tracked else tracked)
             self.tracked = {}
-        if taken[3]:
+        if reduce := self.reduce:
+            fill(merged, "reduce", {**reduce, **event.reduce} if event.reduce else reduce)
             self.reduce = {}
-        if self.host.busy:  # a job on the CPU never copies: nothing to hand over
-            self.host.next_step()
-        return taken
+        host = self.host
+        if host.copies and host.busy:  # a job on the CPU never copies: nothing to hand over
+            host.next_step()
+        return merged
 
     def drop(self) -> None:
         """Forget what was collected (the step did not happen, or is of the other kind): the
@@ -186,7 +198,9 @@ def add_metric(name: str, value: Any, reduce: Reduction = "mean") -> None:
     ``"max"``, ``"min"``, ``"last"``, or a callable given every step's value as a 1-D numpy
     array; see :class:`~recis_async.aggregate.MetricAggregator`.
     """
-    collector = current_collector("add_metric")
+    collector = _current.get()
+    if collector is None or not collector.open:
+        collector = current_collector("add_metric")  # raises, naming the call
     if type(name) is not str or not name:
         _check_name("add_metric", name)
     if reduce != "mean":
@@ -199,7 +213,11 @@ def add_metric(name: str, value: Any, reduce: Reduction = "mean") -> None:
         and value.dtype in _METRIC_DTYPES
         and value.layout is _STRIDED
     ):
-        value = _cpu_item("add_metric", name, value)
+        try:  # read here, not in a helper: every code path the step runs, it runs cold
+            value = value.item()
+        except NotImplementedError:  # a nested tensor, which none of the checks tells apart
+            _check_tensor("add_metric", name, value)  # raises for what item() cannot read
+            raise
     elif type(value) is torch.Tensor:
         if (
             value.is_meta
@@ -219,17 +237,6 @@ def add_metric(name: str, value: Any, reduce: Reduction = "mean") -> None:
         collector.reduce[name] = reduce
     elif collector.reduce:
         collector.reduce.pop(name, None)
-
-
-def _cpu_item(caller: str, name: str, value: torch.Tensor) -> Any:
-    """The number in a one-element strided CPU tensor of a metric dtype (checked by the
-    caller, with the fewest tensor attribute reads: each costs the step); a nested tensor,
-    which none of those reads tells apart, is refused here by name."""
-    try:
-        return value.item()
-    except NotImplementedError:
-        _check_tensor(caller, name, value)  # raises for what item() cannot read
-        raise
 
 
 def _host_array(caller: str, name: str, value: torch.Tensor) -> np.ndarray:
@@ -418,7 +425,9 @@ def add_to_ml_tracker(name: str, value: Any) -> None:
     without waiting (a :class:`~recis_async.hostcopy.HostCopy`, as for :func:`add_to_trace`)
     and converted to the tracker's float off the step: one element as a number, more as an
     array; a CPU tensor (nothing to wait for) is converted at the call."""
-    collector = current_collector("add_to_ml_tracker")
+    collector = _current.get()
+    if collector is None or not collector.open:
+        collector = current_collector("add_to_ml_tracker")  # raises, naming the call
     if type(name) is not str or not name:
         _check_name("add_to_ml_tracker", name)
     if type(value) is float or type(value) is int:  # the common case, kept cheap on the step
@@ -432,7 +441,11 @@ def add_to_ml_tracker(name: str, value: Any) -> None:
         and value.dtype in _METRIC_DTYPES
         and value.layout is _STRIDED
     ):
-        collector.tracked[name] = _cpu_item("add_to_ml_tracker", name, value)
+        try:  # as in add_metric
+            collector.tracked[name] = value.item()
+        except NotImplementedError:
+            _check_tensor("add_to_ml_tracker", name, value)
+            raise
         return
     if isinstance(value, torch.Tensor):
         _check_tensor("add_to_ml_tracker", name, value)

@@ -350,7 +350,9 @@ class HostBufferPool:
         self._step = 0
         self._dtypes: dict[Any, tuple[np.dtype[Any], np.dtype[Any], int]] = {}  # seen so far
         self._warned_oversize = False
-        self._copies = self._reused = 0  # counted on every copy: plain attributes
+        # counted on every copy: plain attributes (``copies`` is read on every step: while it
+        # is 0, as in a job on the CPU, there is nothing to hand over or wait for)
+        self.copies = self._reused = 0
         self._stats = {
             "allocated": 0,
             "over_bound": 0,
@@ -383,7 +385,7 @@ class HostBufferPool:
         device = src.device
         size = src.numel()
         step = self._step
-        self._copies += 1
+        self.copies += 1
         if not size:
             return HostCopy(self, None, None, resolved, shape, 0, dtype, device, step)
         key = (dtype, shape, device)
@@ -673,7 +675,7 @@ class HostBufferPool:
             "held_bytes": self._held,
             "in_use_bytes": in_use,
             "pinned": bool(self._pin),
-            "copies": self._copies,
+            "copies": self.copies,
             "reused": self._reused,
             "copied_out_off_step": self._copied_out,
             **self._stats,

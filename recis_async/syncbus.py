@@ -733,7 +733,7 @@ class SyncHookBus:
 
     @property
     def should_stop(self) -> bool:
-        return self._bus.should_stop
+        return self._bus._stop_reason is not None  # HookBus.should_stop, without its call
 
     @property
     def stop_reason(self) -> str | None:

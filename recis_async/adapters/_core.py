@@ -205,7 +205,8 @@ class Driver:
         bus = self.bus
         if bus is None:
             return dict.fromkeys(self._wants, False)
-        self._receivers(bus)
+        if bus._bus._generation != self._generation:  # _receivers' test, without its call
+            self._receivers(bus)
         return self._wants
 
     def follows(self) -> bool:
@@ -215,7 +216,8 @@ class Driver:
         bus = self.bus
         if bus is None:
             return False
-        self._receivers(bus)
+        if bus._bus._generation != self._generation:
+            self._receivers(bus)
         return self._any_inside
 
     def receives(self, kind: type[Event]) -> bool:
@@ -358,7 +360,8 @@ class Driver:
         bus = self.bus
         if bus is None:
             return False
-        self._receivers(bus)
+        if bus._bus._generation != self._generation:
+            self._receivers(bus)
         if self._wants[BeforeStep]:
             self.begin_step(is_train, global_step, local_step, epoch, data=False)
             return self.end_step(samples, loss, metrics)
@@ -383,7 +386,7 @@ class Driver:
     ) -> bool:
         if loss is not None:
             add_metric("loss", loss)
-        if metrics:
+        if metrics and (len(metrics) > 1 or "loss" not in metrics):  # not the loss alone
             extra = {
                 name: value
                 for name, value in metrics.items()

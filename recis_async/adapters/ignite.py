@@ -183,11 +183,14 @@ class IgniteAdapter(Adapter):
         if driver.step is not None:  # begun at GET_BATCH_STARTED
             stop = driver.end_step(batch_size(state.batch), loss, metrics)
         else:  # not followed (or an engine run without data, which has no GET_BATCH events)
-            global_step, local_step, epoch = _place(state, state.iteration - 1)
+            # _place(state, state.iteration - 1), inlined: every call on the step runs cold
+            iteration, length, epoch = state.iteration - 1, state.epoch_length, state.epoch - 1
+            local = max(iteration - epoch * length, 0) if length else 0
             stop = driver.whole_step(
-                True, global_step, local_step, epoch, batch_size(state.batch), loss, metrics
+                True, iteration, local, epoch, batch_size(state.batch), loss, metrics
             )
-        self._follow(engine)
+        if driver.inside() is not self._followed:  # a hook (un)subscribed: re-route
+            self._follow(engine)
         if stop:
             engine.terminate()
 

@@ -192,7 +192,8 @@ class RecisCallback(Adapter, pl.Callback):
                 loss,
                 metrics,
             )
-        self._follow()
+        if driver.inside() is not self._followed:  # a hook (un)subscribed: re-route
+            self._follow()
         if stop:
             trainer.should_stop = True
 
@@ -281,6 +282,8 @@ def _batches_done(trainer: pl.Trainer) -> int:
 
 def _loss_and_metrics(outputs: Any) -> tuple[Any, dict[str, Any]]:
     """The loss and the other one-element entries of what a step returned."""
+    if type(outputs) is dict and len(outputs) == 1:  # Lightning's own {"loss": loss}: cheap
+        return outputs.get("loss"), {}
     if isinstance(outputs, torch.Tensor):
         return (outputs if outputs.numel() == 1 else None), {}
     if isinstance(outputs, Mapping):
@@ -311,9 +314,10 @@ def _logged_on_step(trainer: pl.Trainer) -> dict[str, Any]:
         return {}
     logged: dict[str, Any] = {}
     try:
-        for _, metric in results.valid_items():
+        loader = results.dataloader_idx
+        for metric in results.values():  # its valid_items(), written out: no generator
             meta = metric.meta
-            if not meta.on_step:
+            if metric.has_reset or meta.dataloader_idx != loader or not meta.on_step:
                 continue
             value = metric._forward_cache
             if isinstance(value, torch.Tensor) and value.numel() == 1:

@@ -163,7 +163,10 @@ class RecisTrainerCallback(Adapter, transformers.TrainerCallback):
         self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> None:
         """The model ran on a micro-batch: keep its loss (on its device) and batch size."""
-        loss = output.get("loss") if isinstance(output, Mapping) else None
+        # (a dict -- a model's ModelOutput is one -- is told apart without the Mapping ABC's
+        # check, which is Python code the step would run cold)
+        mapping = isinstance(output, dict) or isinstance(output, Mapping)
+        loss = output.get("loss") if mapping else None
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
             loss = loss.detach()
         else:
@@ -198,7 +201,8 @@ class RecisTrainerCallback(Adapter, transformers.TrainerCallback):
         control: transformers.TrainerControl,
         **kwargs: Any,
     ) -> None:
-        self._flush(control)
+        if self._pending:  # (_flush's test, without its call on every step)
+            self._flush(control)
         self._loss, self._micro, self._samples = None, 0, 0
         self._place = place = (state.global_step, self._local, self._epoch)
         if self._driver.follows():

@@ -220,9 +220,31 @@ class MLTrackerHook(Hook):
         service = self._service
         if service is None:
             raise RuntimeError(f"{self!r} is not attached to a bus (bus.add_hook(hook) first)")
-        checked, nbytes = self._checked(event.tracked, "AfterStep.tracked", "", owned=True)
-        if not checked:
-            return None
+        tracked = event.tracked
+        checked: dict[str, Any] | None = None
+        nbytes = 0
+        if type(tracked) is dict and self._names.issuperset(tracked):
+            # The common step, checked here rather than in _checked (each call runs cold on
+            # the step): known names, values with nothing to convert (floats; host copies of
+            # real numbers, which the service's worker resolves).  The dict is fresh from the
+            # collector each step, nobody else's: kept without a copy.
+            payload = 0
+            for value in tracked.values():
+                kind = type(value)
+                if kind is float:
+                    continue
+                if kind is not HostCopy or value.dtype.kind not in "biuf":
+                    break
+                if value.size != 1:
+                    payload += 8 * value.size  # the float64 array it becomes
+            else:
+                checked = tracked
+                nbytes = RECORD_OVERHEAD + payload + len(tracked) * VALUE_OVERHEAD
+                nbytes += sum(map(len, tracked))
+        if checked is None:
+            checked, nbytes = self._checked(tracked, "AfterStep.tracked", "")
+            if not checked:
+                return None
         record = StepRecord(event.global_step, time.time(), checked)
         if service.put_nowait(record, nbytes):
             return None
@@ -261,29 +283,11 @@ class MLTrackerHook(Hook):
             await service.put(StepRecord(step, time.time(), checked), nbytes)
 
     def _checked(
-        self, values: Mapping[str, Any], where: str, prefix: str, owned: bool = False
+        self, values: Mapping[str, Any], where: str, prefix: str
     ) -> tuple[dict[str, Any], int]:
-        """``values`` checked and converted, with the bytes they count for; ``owned``: a dict
-        nobody else changes (an event's ``tracked``, fresh from the collector each step),
-        which may be kept without a copy."""
+        """``values`` checked and converted, with the bytes they count for."""
         names = self._names
         nbytes = RECORD_OVERHEAD
-        if owned and type(values) is dict and names.issuperset(values):
-            # The common step, kept cheap: known names, values with nothing to convert
-            # (floats; host copies of real numbers, which the service's worker resolves).
-            payload = 0
-            for value in values.values():
-                kind = type(value)
-                if kind is float:
-                    continue
-                if kind is not HostCopy or value.dtype.kind not in "biuf":
-                    break
-                if value.size != 1:
-                    payload += 8 * value.size  # the float64 array it becomes
-            else:
-                return values, nbytes + payload + len(values) * VALUE_OVERHEAD + sum(
-                    map(len, values)
-                )
         checked: dict[str, Any] = {}
         for key, value in values.items():
             full = prefix + key if prefix else key

@@ -224,7 +224,8 @@ class TraceHook(Hook):
         """Check and buffer the step's rows at once; a coroutine only when the buffer is due
         to be sealed (handing the batch to the writer may wait for room: backpressure)."""
         writer = self._writer
-        writer.raise_if_lost()  # before this step's rows are taken: they are not part of it
+        if len(writer._spills) > writer._lost_reported:  # raise_if_lost's test, without a call
+            writer.raise_if_lost()  # before this step's rows are taken: they are not part of it
         trace = event.trace
         if not trace or event.is_train is self._skip:
             return None

@@ -238,24 +238,36 @@ class ColumnBuffer:
                     return None
                 if ndim == 2 and value.size > _OFFSET_MAX:
                     return None  # too many elements for int32 offsets: convert says so
-                if value.dtype != dtype and (dtype.kind != "f" or value.dtype.kind not in "fiu"):
+                if (
+                    value.dtype is not dtype
+                    and value.dtype != dtype
+                    and (dtype.kind != "f" or value.dtype.kind not in "fiu")
+                ):
                     return None  # integer narrowing, bools...: checked by convert
                 flags = value.flags  # freeze(value), inlined: a collector's copy is kept
                 if not flags.writeable and flags.owndata and flags.c_contiguous:
                     chunk: Chunk = value
                 else:
                     chunk = freeze(value)
+                n = len(value)
             elif type(value) is HostCopy:
-                if dtype is None or value.ndim != ndim:
+                shape = value.shape  # its slot, not its ``ndim`` / ``len``: a call each
+                if dtype is None or len(shape) != ndim:
                     return None
                 if ndim == 2 and value.size > _OFFSET_MAX:
                     return None
-                if value.dtype != dtype and (dtype.kind != "f" or value.dtype.kind not in "fiu"):
+                # (numpy's dtypes of its own types are single objects: ``is`` first spares
+                # the step numpy's comparison, whose code it would run cold)
+                if (
+                    value.dtype is not dtype
+                    and value.dtype != dtype
+                    and (dtype.kind != "f" or value.dtype.kind not in "fiu")
+                ):
                     return None  # widening ints and the rest: the slow path's host_chunk
                 chunk = value
+                n = shape[0]
             else:
                 return None
-            n = len(value)
             if n != rows:
                 if rows >= 0:
                     return None
