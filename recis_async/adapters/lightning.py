@@ -282,8 +282,8 @@ def _batches_done(trainer: pl.Trainer) -> int:
 
 def _loss_and_metrics(outputs: Any) -> tuple[Any, dict[str, Any]]:
     """The loss and the other one-element entries of what a step returned."""
-    if type(outputs) is dict and len(outputs) == 1:  # Lightning's own {"loss": loss}: cheap
-        return outputs.get("loss"), {}
+    if type(outputs) is dict and len(outputs) == 1 and "loss" in outputs:
+        return outputs["loss"], {}  # Lightning's own {"loss": loss}, without the ABC's check
     if isinstance(outputs, torch.Tensor):
         return (outputs if outputs.numel() == 1 else None), {}
     if isinstance(outputs, Mapping):

@@ -458,6 +458,60 @@ def test_what_a_lightning_step_logs_is_in_its_after_step_metrics(tmp_path: Path)
         assert metrics["double_loss"] == pytest.approx(2 * metrics["loss"])
 
 
+def test_what_a_lightning_validation_step_returns_is_in_its_after_step_metrics(
+    tmp_path: Path,
+) -> None:
+    """A validation step returning ``{"acc": ...}`` (no loss) or ``{"loss": ..., "acc":
+    ...}``: its one-element entries reach that evaluation step's ``AfterStep.metrics``, the
+    loss as ``loss``, and the training steps carry none of them."""
+    import lightning.pytorch as pl
+    import torch
+
+    from recis_async.adapters.lightning import RecisCallback
+
+    seen: list[tuple[bool, dict[str, Any]]] = []
+
+    class Metrics(Hook):
+        def after_step(self, event: AfterStep) -> None:
+            seen.append((event.is_train, dict(event.metrics)))
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = ps.Net()
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
+            return self.net(**batch)["loss"]
+
+        def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
+            acc = torch.tensor(0.25 * (batch_idx + 1))
+            if batch_idx == 0:
+                return {"acc": acc}
+            return {"loss": self.net(**batch)["loss"], "acc": acc}
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    trainer = pl.Trainer(
+        max_epochs=1,
+        callbacks=[RecisCallback([Metrics()])],
+        default_root_dir=str(tmp_path / "pl"),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=1,
+    )
+    loader = torch.utils.data.DataLoader(ps.Rows(ps.ROWS * 2), batch_size=ps.ROWS)
+    trainer.fit(Module(), loader, loader)
+    evals = [metrics for is_train, metrics in seen if not is_train]
+    assert [sorted(m) for m in evals] == [["acc"], ["acc", "loss"]], seen
+    assert [m["acc"] for m in evals] == [0.25, 0.5]
+    assert all("acc" not in metrics for is_train, metrics in seen if is_train), seen
+
+
 def test_a_lightning_callback_subclass_keeps_its_own_step_callbacks(tmp_path: Path) -> None:
     """The callback hides the points of a step that publish nothing, but never a subclass's
     own override of one: Lightning calls it on every step."""
