@@ -918,7 +918,7 @@ def _instrument(sections: _Sections) -> None:
     sections (class-level patches: the breakdown's child process only)."""
     import recis_async
     from recis_async import bus as bus_module
-    from recis_async import hostcopy, trainer
+    from recis_async import collect, hostcopy, trainer
 
     bus_cls = recis_async.HookBus
     original_add = bus_cls._add
@@ -937,8 +937,9 @@ def _instrument(sections: _Sections) -> None:
     bus_cls._publish = sections.coro(  # type: ignore[method-assign]
         lambda self, event: f"bus publish {type(event).__name__}", bus_cls._publish
     )
-    bus_cls._with_collected = sections.sync(  # type: ignore[method-assign]
-        "bus collector merge (AfterStep)", bus_cls._with_collected
+    collector_cls = collect.StepCollector
+    collector_cls.merged = sections.sync(  # type: ignore[method-assign]
+        "bus collector merge (AfterStep)", collector_cls.merged
     )
     bus_module.yield_to_services = sections.coro(  # type: ignore[attr-defined]
         "bus yield to services", bus_module.yield_to_services
