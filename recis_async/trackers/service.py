@@ -323,17 +323,10 @@ class TrackerService:
         if self._disabled:
             self._counts["dropped"] += 1
             return True
-        pending = self._pending_bytes
-        held = pending + self._inflight_bytes
+        held = self._pending_bytes + self._inflight_bytes
         if held and held + nbytes > self.max_buffer_bytes:
             return False
-        # _append, inlined: this runs on every step, where each call runs cold
-        was_empty = not self._pending
-        self._pending.append((record, nbytes))
-        self._pending_bytes = pending = pending + nbytes
-        self._counts["records"] += 1
-        if was_empty or pending >= self.max_buffer_bytes // 2:
-            self._notify()
+        self._append(record, nbytes)
         return True
 
     def _append(self, record: StepRecord, nbytes: int) -> None:
