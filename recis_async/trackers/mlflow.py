@@ -185,6 +185,10 @@ class MlflowClientTracker:
         self._created = False
         self._logged = False
         self._continued = False
+        # a continued run: the step its first batch starts at, and the steps the run holds
+        # from there on, per metric (fetched once per metric; see _skip_stored)
+        self._resumed_at: int | None = None
+        self._stored: dict[str, set[int]] = {}
         self._array_dir: str | None = None
         self._arrays: IO[bytes] | None = None
         self._encoder = msgspec.json.Encoder(enc_hook=encode_value)
@@ -243,6 +247,7 @@ class MlflowClientTracker:
             old_params = {}
             logger.info("MlflowTracker: new run %s (%s)", run_id, run.run_id or run.name)
         self._created, self._continued, self._logged = existing is None, existing is not None, False
+        self._resumed_at, self._stored = None, {}
         params = []
         for key, value in run.params.items():
             text = str(value)
@@ -333,7 +338,7 @@ class MlflowClientTracker:
                     metrics.append(Metric(key, float(value), timestamp, record.step))
             if array_values:
                 arrays.append(StepRecord(record.step, record.time, array_values))
-        if metrics and self._continued and not self._logged:
+        if metrics and self._continued:
             metrics = self._skip_stored(metrics, min(record.step for record in records))
         self._logged = True
         for sent, request in enumerate(metric_requests(metrics)):
@@ -347,11 +352,23 @@ class MlflowClientTracker:
             self._spool_arrays(arrays)
 
     def _skip_stored(self, metrics: list[Any], first_step: int) -> list[Any]:
-        """The first batch of a continued run: leave out points of steps the run already
-        holds (an earlier attempt logged from ``first_step`` on)."""
+        """A continued run's batch: leave out points of steps the run already holds (an
+        earlier attempt logged them from the first batch's ``first_step`` on).  Every batch
+        is checked, not only the first: the steps the earlier attempt logged after the
+        restart point may arrive in several batches (a small buffer, a flush per record).
+        What the run holds is read once per metric."""
         assert self._client is not None and self.run_id is not None
-        stored = stored_points(self._client, self.run_id, {m.key for m in metrics}, first_step)
-        kept = [m for m in metrics if (m.key, m.step) not in stored]
+        if self._resumed_at is None:
+            self._resumed_at = first_step
+        stored = self._stored
+        new = {m.key for m in metrics if m.key not in stored}
+        if new:  # (kept only once read: a failed read is tried again with the next batch)
+            points = stored_points(self._client, self.run_id, new, self._resumed_at)
+            for key in new:
+                stored[key] = set()
+            for key, step in points:
+                stored[key].add(step)
+        kept = [m for m in metrics if m.step not in stored[m.key]]
         if len(kept) != len(metrics):
             logger.warning(
                 "MlflowTracker: run %s already holds %d of these points (steps >= %d from an "

@@ -12,6 +12,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from recis_async import HookBus, add_to_ml_tracker
@@ -33,8 +34,11 @@ def _value(attempt: int, step: int) -> float:
     return attempt * 1000.0 + step
 
 
-async def _attempt(hook: MLTrackerHook, attempt: int, state: dict[str, Any] | None) -> Any:
-    """Run one attempt; return the hook's state at step CKPT (the checkpoint)."""
+async def _attempt(
+    hook: MLTrackerHook, attempt: int, state: dict[str, Any] | None, pause: float = 0.0
+) -> Any:
+    """Run one attempt; return the hook's state at step CKPT (the checkpoint).  ``pause``
+    after each step (with ``flush_interval=0``: each record sent in a batch of its own)."""
     saved = None
     first, last = (0, STOP) if state is None else (CKPT, END)
     async with HookBus() as bus:
@@ -49,6 +53,8 @@ async def _attempt(hook: MLTrackerHook, attempt: int, state: dict[str, Any] | No
             await bus.publish(BeforeStep(global_step=step))
             add_to_ml_tracker("loss", _value(attempt, step))
             await bus.publish(AfterStep(global_step=step))
+            if pause:
+                await anyio.sleep(pause)
     return saved
 
 
@@ -69,11 +75,27 @@ async def test_jsonl_run_continues_after_resume(tmp_path: Path) -> None:
     assert [(r.step, r.values["loss"]) for r in records] == _expected()
 
 
-async def test_tensorboard_run_continues_without_doubled_steps(tmp_path: Path) -> None:
+async def test_jsonl_resume_sent_a_record_at_a_time_has_each_step_once(tmp_path: Path) -> None:
+    first = JsonlTracker(tmp_path)
+    state = await _attempt(MLTrackerHook("p", "job", tracker=first), 1, None)
+    second = JsonlTracker(tmp_path)
+    hook = MLTrackerHook("p", "job", tracker=second, flush_interval=0)
+    await _attempt(hook, 2, state, pause=0.05)
+    assert hook.service is not None and hook.service.stats()["batches"] >= END - CKPT - 1
+    assert first.run_dir is not None
+    records = read_records(first.run_dir / "metrics.jsonl")
+    assert [(r.step, r.values["loss"]) for r in records] == _expected()
+
+
+@pytest.mark.parametrize("pause", [0.0, 0.05], ids=["batched", "a-record-at-a-time"])
+async def test_tensorboard_run_continues_without_doubled_steps(
+    tmp_path: Path, pause: float
+) -> None:
     state = await _attempt(MLTrackerHook("p", "job", tracker=TensorBoardTracker(tmp_path)), 1, None)
     assert state is not None
     tracker = TensorBoardTracker(tmp_path)
-    await _attempt(MLTrackerHook("p", "job", tracker=tracker), 2, state)
+    flush = {"flush_interval": 0.0} if pause else {}
+    await _attempt(MLTrackerHook("p", "job", tracker=tracker, **flush), 2, state, pause=pause)
     assert tracker.run_dir is not None and [p.name for p in tmp_path.iterdir()] == ["job"]
     acc = event_accumulator.EventAccumulator(str(tracker.run_dir))
     acc.Reload()
@@ -105,6 +127,25 @@ async def test_mlflow_run_continues_after_resume(
     points = sorted((m.step, m.value) for m in client.get_metric_history(first.run_id, "loss"))
     # Each step once.  MLflow cannot delete points: steps CKPT..STOP-1 keep the first value.
     assert [s for s, _ in points] == list(range(END))
+    assert points == [(s, _value(1 if s < STOP else 2, s)) for s in range(END)]
+
+
+async def test_mlflow_resume_skips_stored_points_in_every_batch(
+    mlflow_uri: tuple[str, str], anyio_backend: str
+) -> None:
+    """The resumed attempt sends each record in a batch of its own: the steps the first
+    attempt logged after the checkpoint arrive in several batches, and each is skipped (the
+    tracker once checked the first batch only, and steps CKPT+1..STOP-1 were in twice)."""
+    uri, artifacts = mlflow_uri
+    project = f"resume-batches-{anyio_backend}"
+    first = MlflowTracker(uri, artifact_location=artifacts)
+    state = await _attempt(MLTrackerHook(project, "job", tracker=first), 1, None)
+    second = MlflowTracker(uri, artifact_location=artifacts)
+    hook = MLTrackerHook(project, "job", tracker=second, flush_interval=0)
+    await _attempt(hook, 2, state, pause=0.05)
+    assert hook.service is not None and hook.service.stats()["batches"] >= END - CKPT - 1
+    client = MlflowClient(uri)
+    points = sorted((m.step, m.value) for m in client.get_metric_history(first.run_id, "loss"))
     assert points == [(s, _value(1 if s < STOP else 2, s)) for s in range(END)]
 
 
