@@ -189,6 +189,7 @@ class MlflowClientTracker:
         # from there on, per metric (fetched once per metric; see _skip_stored)
         self._resumed_at: int | None = None
         self._stored: dict[str, set[int]] = {}
+        self._warned_stored = False
         self._array_dir: str | None = None
         self._arrays: IO[bytes] | None = None
         self._encoder = msgspec.json.Encoder(enc_hook=encode_value)
@@ -247,7 +248,7 @@ class MlflowClientTracker:
             old_params = {}
             logger.info("MlflowTracker: new run %s (%s)", run_id, run.run_id or run.name)
         self._created, self._continued, self._logged = existing is None, existing is not None, False
-        self._resumed_at, self._stored = None, {}
+        self._resumed_at, self._stored, self._warned_stored = None, {}, False
         params = []
         for key, value in run.params.items():
             text = str(value)
@@ -370,10 +371,13 @@ class MlflowClientTracker:
                 stored[key].add(step)
         kept = [m for m in metrics if m.step not in stored[m.key]]
         if len(kept) != len(metrics):
-            logger.warning(
+            # warned once: sent a record at a time, every re-run step would warn again
+            log = logger.debug if self._warned_stored else logger.warning
+            self._warned_stored = True
+            log(
                 "MlflowTracker: run %s already holds %d of these points (steps >= %d from an "
                 "earlier attempt); MLflow cannot delete points, so those are kept and the new "
-                "ones skipped",
+                "ones skipped (and so for the rest of the re-run steps)",
                 self.run_id,
                 len(metrics) - len(kept),
                 first_step,
