@@ -91,6 +91,30 @@ class StepCollector:
             host.next_step()
         return merged
 
+    def step_event(
+        self, is_train: bool, global_step: int, local_step: int, epoch: int, samples: int
+    ) -> AfterStep:
+        """The step's ``AfterStep``, built with what was collected in one go; the collector
+        starts the next step empty.  For a loop that builds its own events (the ``Trainer``,
+        the adapters): the bus's :meth:`merged` copies an event built before, which costs the
+        step a second construction (benchmarks/README.md, "The step's event built once")."""
+        event = AfterStep(
+            is_train=is_train,
+            global_step=global_step,
+            local_step=local_step,
+            epoch=epoch,
+            samples=samples,
+            metrics=self.metrics,
+            trace=self.trace,
+            tracked=self.tracked,
+            reduce=self.reduce,
+        )
+        self.metrics, self.trace, self.tracked, self.reduce = {}, {}, {}, {}
+        host = self.host
+        if host.copies and host.busy:  # as in merged
+            host.next_step()
+        return event
+
     def drop(self) -> None:
         """Forget what was collected (the step did not happen, or is of the other kind): the
         host copies nobody will see give their buffers back."""
@@ -213,11 +237,15 @@ def add_metric(name: str, value: Any, reduce: Reduction = "mean") -> None:
         and value.dtype in _METRIC_DTYPES
         and value.layout is _STRIDED
     ):
-        try:  # read here, not in a helper: every code path the step runs, it runs cold
-            value = value.item()
-        except NotImplementedError:  # a nested tensor, which none of the checks tells apart
-            _check_tensor("add_metric", name, value)  # raises for what item() cannot read
+        # Read here, not in a helper: every code path the step runs, it runs cold.  tolist()
+        # is item()'s number for a 0-d tensor (a loss), ~2 µs cheaper cold (benchmarks/README.md,
+        # "One-element reads"); a one-element tensor of more dimensions gives a list
+        try:
+            number = value.tolist()
+        except (NotImplementedError, RuntimeError):  # a nested tensor, which no check tells apart
+            _check_tensor("add_metric", name, value)  # raises for what cannot be read
             raise
+        value = number if type(number) is not list else value.item()
     elif type(value) is torch.Tensor:
         if (
             value.is_meta
@@ -442,10 +470,11 @@ def add_to_ml_tracker(name: str, value: Any) -> None:
         and value.layout is _STRIDED
     ):
         try:  # as in add_metric
-            collector.tracked[name] = value.item()
-        except NotImplementedError:
+            number = value.tolist()
+        except (NotImplementedError, RuntimeError):
             _check_tensor("add_to_ml_tracker", name, value)
             raise
+        collector.tracked[name] = number if type(number) is not list else value.item()
         return
     if isinstance(value, torch.Tensor):
         _check_tensor("add_to_ml_tracker", name, value)

@@ -35,7 +35,6 @@ from ..events import (
     AfterEval,
     AfterLoadCheckpoint,
     AfterOptimizerStep,
-    AfterStep,
     AfterTrain,
     BeforeEpoch,
     BeforeOptimizerStep,
@@ -395,13 +394,7 @@ class Driver:
             if extra:
                 _add_metrics(extra)
         bus.publish(
-            AfterStep(
-                is_train=is_train,
-                global_step=global_step,
-                local_step=local_step,
-                epoch=epoch,
-                samples=samples,
-            )
+            bus._bus._collector.step_event(is_train, global_step, local_step, epoch, samples)
         )
         return bus.should_stop
 
