@@ -94,22 +94,31 @@ class StepCollector:
     def step_event(
         self, is_train: bool, global_step: int, local_step: int, epoch: int, samples: int
     ) -> AfterStep:
-        """The step's ``AfterStep``, built with what was collected in one go; the collector
-        starts the next step empty.  For a loop that builds its own events (the ``Trainer``,
-        the adapters): the bus's :meth:`merged` copies an event built before, which costs the
-        step a second construction (benchmarks/README.md, "The step's event built once")."""
+        """The step's ``AfterStep`` with what was collected; the collector starts the next step
+        empty.  For a loop that builds its own events (the ``Trainer``, the adapters): the
+        values go into the event built here, which nobody else holds, where the bus's
+        :meth:`merged` must copy an event built before (benchmarks/README.md, "The step's
+        event built once")."""
         event = AfterStep(
             is_train=is_train,
             global_step=global_step,
             local_step=local_step,
             epoch=epoch,
             samples=samples,
-            metrics=self.metrics,
-            trace=self.trace,
-            tracked=self.tracked,
-            reduce=self.reduce,
         )
-        self.metrics, self.trace, self.tracked, self.reduce = {}, {}, {}, {}
+        fill = msgspec.structs.force_setattr  # checked already, by add_metric and friends
+        if metrics := self.metrics:
+            fill(event, "metrics", metrics)
+            self.metrics = {}
+        if trace := self.trace:
+            fill(event, "trace", trace)
+            self.trace = {}
+        if tracked := self.tracked:
+            fill(event, "tracked", tracked)
+            self.tracked = {}
+        if reduce := self.reduce:
+            fill(event, "reduce", reduce)
+            self.reduce = {}
         host = self.host
         if host.copies and host.busy:  # as in merged
             host.next_step()
