@@ -9,6 +9,9 @@ round), and the medians are printed with each way's difference from the pair's f
 
 * ``read``: a 0-d CPU loss's number, ``loss.item()`` / ``loss.tolist()`` (the collectors'
   one-element reads, ``add_metric`` / ``add_to_ml_tracker``);
+* ``held``: a CPU trace column's :class:`~recis_async.hostcopy.HostCopy` around its clone
+  (``add_to_trace``), with the clone's shape, dtype and device read again and a lock made
+  for it (as it was) / with what the collector read already and no lock (``held``);
 * ``event``: a step's ``AfterStep`` with a metric, a tracked value and a trace column
   collected, built and then merged by the bus (``AfterStep(...)`` and
   ``StepCollector.merged``) / built once with them (``StepCollector.step_event``, what the
@@ -31,10 +34,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_peers  # noqa: E402  (its job's model and batches)
 
+SHAPE = (bench_peers.BATCH,)  # a step's id column
 
-def ways(collector: Any) -> dict[str, dict[str, Callable[[Any, int], Any]]]:
-    """The pairs: each way is called as ``way(loss, step)``."""
+
+def ways(collector: Any, clone: Any) -> dict[str, dict[str, Callable[[Any, int], Any]]]:
+    """The pairs: each way is called as ``way(loss, step)``; ``clone`` is the step's column."""
+    import threading
+
+    import numpy as np
+    import torch
+
     from recis_async.events import AfterStep
+    from recis_async.hostcopy import HostCopy, held
+
+    int64, cpu = np.dtype(np.int64), torch.device("cpu")
+
+    def read_again_and_locked(loss: Any, step: int) -> Any:
+        column = clone()
+        threading.Lock()
+        return HostCopy(None, None, None, int64, column.shape, column.numel(), column.dtype,
+                        column.device, 0, column)  # fmt: skip
+
+    def held_as_read(loss: Any, step: int) -> Any:
+        column = clone()
+        return held(column, int64, SHAPE, torch.int64, cpu)
 
     def built_then_merged(loss: Any, step: int) -> Any:
         event = AfterStep(is_train=True, global_step=step, local_step=step, epoch=0, samples=1)
@@ -48,6 +71,7 @@ def ways(collector: Any) -> dict[str, dict[str, Callable[[Any, int], Any]]]:
             "item()": lambda loss, step: loss.item(),
             "tolist()": lambda loss, step: loss.tolist(),
         },
+        "held": {"reads + lock": read_again_and_locked, "held": held_as_read},
         "event": {"AfterStep + merged": built_then_merged, "step_event": built_once},
     }
 
@@ -68,7 +92,7 @@ def main() -> None:
     torch, mlp, batches = bench_peers.build(args.hidden, 64)
     optimizer = torch.optim.SGD(mlp.parameters(), lr=0.01)
     collector = StepCollector()
-    int64 = np.dtype(np.int64)
+    int64, cpu = np.dtype(np.int64), torch.device("cpu")
 
     def train_step(batch: dict[str, Any]) -> Any:
         loss = torch.nn.functional.mse_loss(mlp(batch["x"]), batch["y"])
@@ -77,18 +101,20 @@ def main() -> None:
         optimizer.step()
         return loss.detach()
 
-    pairs = ways(collector)
+    step_ids: list[Any] = [batches[0]["ids"]]  # the column of the step under way
+    pairs = ways(collector, lambda: step_ids[0].clone())
     order = [(pair, way) for pair, by_way in pairs.items() for way in by_way]
     times: dict[tuple[str, str], list[int]] = {key: [] for key in order}
     warmup = 10
     for i in range(warmup + args.rounds):
         for pair, way in order:
             batch = batches[i % len(batches)]
+            step_ids[0] = batch["ids"]
             loss = train_step(batch)
             # what a step has collected when its AfterStep is built
             collector.metrics["loss"] = 0.5
             collector.tracked["loss"] = 0.5
-            collector.trace["id"] = held(batch["ids"].clone(), int64)
+            collector.trace["id"] = held(batch["ids"].clone(), int64, SHAPE, torch.int64, cpu)
             fn = pairs[pair][way]
             t = time.perf_counter_ns()
             fn(loss, i)

@@ -141,6 +141,7 @@ READ_CPU_AT_CALL: Final = True
 
 _current: ContextVar[StepCollector | None] = ContextVar("recis_async_collector", default=None)
 _STRIDED: Final = torch.strided
+_CPU: Final = torch.device("cpu")
 _METRIC_DTYPES: Final = metric_dtypes()
 #: the dtypes a CPU trace column is held in as it is (add_to_trace), with numpy's for each:
 #: the metric dtypes but bfloat16, which numpy lacks (it is copied as float32 at the call)
@@ -357,16 +358,21 @@ def add_to_trace(name: str, value: Any) -> None:
         type(value) is torch.Tensor
         and value.is_cpu
         and READ_CPU_AT_CALL
-        and (dtype := _HELD_DTYPES.get(value.dtype)) is not None
+        and (dtype := _HELD_DTYPES.get(source_dtype := value.dtype)) is not None
         and value.layout is _STRIDED
         and not value.is_nested
     ):
-        if not value.shape:
+        shape = value.shape
+        if not shape:
             raise ValueError(
                 f"add_to_trace({name!r}): expected one entry per row (1-D or 2-D), got a scalar"
             )
         collector.trace[name] = held(
-            (value.detach() if value.requires_grad else value).clone(), dtype
+            (value.detach() if value.requires_grad else value).clone(),
+            dtype,
+            shape,
+            source_dtype,
+            _CPU,
         )
         return
     if isinstance(value, torch.Tensor):
