@@ -269,3 +269,24 @@ def test_bench_import_times_each_path_and_names_what_it_pulled_in() -> None:
     assert "pyarrow" not in rows["own"][1] and "pyarrow" in rows["trace"][1], proc.stdout
     assert float(rows["own"][0].split()[0]) > 0, proc.stdout
     assert "own: " in proc.stdout and "ms against" in proc.stdout, proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_cold_prints_each_pair_of_ways() -> None:
+    """``bench_cold.py``: every way of every pair timed after a training step, each with its
+    difference from its pair's first way (zero for that one)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/bench_cold.py", "--rounds", "3", "--hidden", "16"],
+        env=env, capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| ")]
+    ways = {(pair.strip(), way.strip()): (float(median), float(minus))
+            for pair, way, median, minus in rows[1:]}  # fmt: skip
+    assert sorted(ways) == sorted([
+        ("read", "item()"), ("read", "tolist()"), ("held", "reads + lock"), ("held", "held"),
+        ("event", "AfterStep + merged"), ("event", "step_event"),
+    ]), proc.stdout  # fmt: skip
+    for first in (("read", "item()"), ("held", "reads + lock"), ("event", "AfterStep + merged")):
+        assert ways[first][1] == 0.0 and ways[first][0] > 0, proc.stdout
