@@ -632,9 +632,9 @@ class HookBus:
                 collector = self._collector
                 if collector.metrics or collector.trace or collector.tracked:
                     event = collector.merged(event)  # type: ignore[arg-type]
-                host = collector.host  # (an event of step_event's holds the copies already)
-                if host.copies and host.full:  # back-pressure: the device is behind
-                    await host.make_room(self._stopping)
+                    host = collector.host
+                    if host.copies and host.full:  # back-pressure: the device is behind
+                        await host.make_room(self._stopping)
             elif kind == KIND_BEFORE_STEP:
                 self._collector.begin_step(event.is_train)
             elif kind == KIND_OUT_OF_DATA:

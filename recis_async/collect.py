@@ -91,39 +91,6 @@ class StepCollector:
             host.next_step()
         return merged
 
-    def step_event(
-        self, is_train: bool, global_step: int, local_step: int, epoch: int, samples: int
-    ) -> AfterStep:
-        """The step's ``AfterStep`` with what was collected; the collector starts the next step
-        empty.  For a loop that builds its own events (the ``Trainer``, the adapters): the
-        values go into the event built here, which nobody else holds, where the bus's
-        :meth:`merged` must copy an event built before (benchmarks/README.md, "The step's
-        event built once")."""
-        event = AfterStep(
-            is_train=is_train,
-            global_step=global_step,
-            local_step=local_step,
-            epoch=epoch,
-            samples=samples,
-        )
-        fill = msgspec.structs.force_setattr  # checked already, by add_metric and friends
-        if metrics := self.metrics:
-            fill(event, "metrics", metrics)
-            self.metrics = {}
-        if trace := self.trace:
-            fill(event, "trace", trace)
-            self.trace = {}
-        if tracked := self.tracked:
-            fill(event, "tracked", tracked)
-            self.tracked = {}
-        if reduce := self.reduce:
-            fill(event, "reduce", reduce)
-            self.reduce = {}
-        host = self.host
-        if host.copies and host.busy:  # as in merged
-            host.next_step()
-        return event
-
     def drop(self) -> None:
         """Forget what was collected (the step did not happen, or is of the other kind): the
         host copies nobody will see give their buffers back."""
@@ -141,7 +108,6 @@ READ_CPU_AT_CALL: Final = True
 
 _current: ContextVar[StepCollector | None] = ContextVar("recis_async_collector", default=None)
 _STRIDED: Final = torch.strided
-_CPU: Final = torch.device("cpu")
 _METRIC_DTYPES: Final = metric_dtypes()
 #: the dtypes a CPU trace column is held in as it is (add_to_trace), with numpy's for each:
 #: the metric dtypes but bfloat16, which numpy lacks (it is copied as float32 at the call)
@@ -247,15 +213,11 @@ def add_metric(name: str, value: Any, reduce: Reduction = "mean") -> None:
         and value.dtype in _METRIC_DTYPES
         and value.layout is _STRIDED
     ):
-        # Read here, not in a helper: every code path the step runs, it runs cold.  tolist()
-        # is item()'s number for a 0-d tensor (a loss), ~2 µs cheaper cold (benchmarks/README.md,
-        # "One-element reads"); a one-element tensor of more dimensions gives a list
-        try:
-            number = value.tolist()
-        except (NotImplementedError, RuntimeError):  # a nested tensor, which no check tells apart
-            _check_tensor("add_metric", name, value)  # raises for what cannot be read
+        try:  # read here, not in a helper: every code path the step runs, it runs cold
+            value = value.item()
+        except NotImplementedError:  # a nested tensor, which none of the checks tells apart
+            _check_tensor("add_metric", name, value)  # raises for what item() cannot read
             raise
-        value = number if type(number) is not list else value.item()
     elif type(value) is torch.Tensor:
         if (
             value.is_meta
@@ -358,21 +320,16 @@ def add_to_trace(name: str, value: Any) -> None:
         type(value) is torch.Tensor
         and value.is_cpu
         and READ_CPU_AT_CALL
-        and (dtype := _HELD_DTYPES.get(source_dtype := value.dtype)) is not None
+        and (dtype := _HELD_DTYPES.get(value.dtype)) is not None
         and value.layout is _STRIDED
         and not value.is_nested
     ):
-        shape = value.shape
-        if not shape:
+        if not value.shape:
             raise ValueError(
                 f"add_to_trace({name!r}): expected one entry per row (1-D or 2-D), got a scalar"
             )
         collector.trace[name] = held(
-            (value.detach() if value.requires_grad else value).clone(),
-            dtype,
-            shape,
-            source_dtype,
-            _CPU,
+            (value.detach() if value.requires_grad else value).clone(), dtype
         )
         return
     if isinstance(value, torch.Tensor):
@@ -485,11 +442,10 @@ def add_to_ml_tracker(name: str, value: Any) -> None:
         and value.layout is _STRIDED
     ):
         try:  # as in add_metric
-            number = value.tolist()
-        except (NotImplementedError, RuntimeError):
+            collector.tracked[name] = value.item()
+        except NotImplementedError:
             _check_tensor("add_to_ml_tracker", name, value)
             raise
-        collector.tracked[name] = number if type(number) is not list else value.item()
         return
     if isinstance(value, torch.Tensor):
         _check_tensor("add_to_ml_tracker", name, value)

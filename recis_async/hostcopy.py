@@ -37,7 +37,6 @@ tracker's child process) does not import it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
@@ -73,8 +72,6 @@ DEFAULT_WAIT_TIMEOUT: Final = 60.0
 #: waking a thread every step would cost the step more than the copy-out it spares
 #: (benchmarks/README.md, "Host copies out off the step")
 DEFAULT_COPY_OUT_INTERVAL: Final = 0.1
-#: a held copy's stand-in for a lock (see HostCopy.resolve)
-_UNLOCKED: Final = contextlib.nullcontext()
 _POLL_S: Final = 0.001  # how often a step waiting for room asks the device again
 
 # torch dtype name -> (the dtype resolve() returns, the dtype the buffer is read as)
@@ -170,8 +167,7 @@ class HostCopy:
         self._slot = slot
         self._source = source  # a CPU tensor of its own, read when resolved (see held)
         self._event = event
-        # a held clone (``source``) is resolved without one: see resolve
-        self._lock = threading.Lock() if source is None else _UNLOCKED
+        self._lock = threading.Lock()
         self._step = step
         self._result: np.ndarray | None = None
         self.dtype = dtype
@@ -220,14 +216,8 @@ class HostCopy:
             event.synchronize()  # this copy only, not the whole device
         with self._lock:
             result = self._result
-            source = self._source
-            if result is None and source is not None:  # held: its values are here
-                # Read from the one reference taken above, so no lock is needed: a release
-                # meanwhile drops the copy's reference, not this one, and two threads
-                # resolving at once each read the same values.  Creating a lock with every
-                # step's column cost the step more than the read (benchmarks/README.md,
-                # "Held columns").
-                result = self._result = _readonly(source.numpy(force=True))
+            if result is None and self._source is not None:  # held: its values are here
+                result = self._result = _readonly(self._source.numpy(force=True))
                 self._source = None
             elif result is None:
                 slot = self._slot
@@ -268,21 +258,15 @@ class HostCopy:
         )
 
 
-def held(
-    clone: torch.Tensor,
-    dtype: np.dtype[Any],
-    shape: tuple[int, ...],
-    source_dtype: torch.dtype,
-    device: torch.device,
-) -> HostCopy:
+def held(clone: torch.Tensor, dtype: np.dtype[Any]) -> HostCopy:
     """A :class:`HostCopy` of ``clone``, a CPU tensor nobody else holds (the caller's clone)
     of a dtype that numpy has (``dtype``): resolved by reading it, off the step.  No pool
     buffer and no wait: the step is spared numpy's conversion and copy, whose code a step
     runs cold, right after the model's compute, at a cost above the clone's
-    (benchmarks/README.md, "CPU trace columns held as tensors").  ``shape``,
-    ``source_dtype`` and ``device`` are the clone's, as the caller read them already (each
-    read costs the step again)."""
-    return HostCopy(None, None, None, dtype, shape, clone.numel(), source_dtype, device, 0, clone)
+    (benchmarks/README.md, "CPU trace columns held as tensors")."""
+    return HostCopy(
+        None, None, None, dtype, clone.shape, clone.numel(), clone.dtype, clone.device, 0, clone
+    )
 
 
 def _readonly(array: np.ndarray) -> np.ndarray:

@@ -600,7 +600,13 @@ class Trainer:
                 self._last_local = local
                 local += 1
                 await bus.publish(
-                    bus._collector.step_event(True, step, local - 1, epoch, batch_size(batch))
+                    AfterStep(
+                        is_train=True,
+                        global_step=step,
+                        local_step=local - 1,
+                        epoch=epoch,
+                        samples=batch_size(batch),
+                    )
                 )
                 offer = (
                     self._offer(bus, batches, 2)

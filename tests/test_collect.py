@@ -58,35 +58,6 @@ async def test_publisher_values_win_over_collected() -> None:
     assert seen[0].metrics == {"loss": 2.0, "acc": 0.9}
 
 
-async def test_step_event_carries_the_collected_values_once_and_checks_its_place() -> None:
-    """``StepCollector.step_event`` (the Trainer's and the adapters' AfterStep): the event is
-    built with what was collected, the bus does not merge it again, the next step starts
-    empty; a bad place is refused naming the field, and what was collected stays for the
-    step's event built right."""
-    seen: list[AfterStep] = []
-    async with HookBus() as bus:
-        bus.subscribe(AfterStep, seen.append)
-        collector = bus._collector
-        add_metric("loss", torch.tensor(0.25))
-        add_metric("tag", "warmup", reduce="last")
-        add_to_trace("ids", torch.arange(3))
-        add_to_ml_tracker("loss", torch.tensor(0.25))
-        with pytest.raises(ValueError, match=r"AfterStep\(global_step=\.\.\.\): expected int >= 0"):
-            collector.step_event(True, -1, 0, 0, 3)
-        event = collector.step_event(True, 7, 2, 1, 3)
-        assert (collector.metrics, collector.trace, collector.tracked) == ({}, {}, {})
-        await bus.publish(event)
-        await bus.publish(collector.step_event(True, 8, 3, 1, 3))
-    first, second = seen
-    assert first is event  # not copied by the bus: nothing was left to merge
-    assert (first.global_step, first.local_step, first.epoch, first.samples) == (7, 2, 1, 3)
-    assert first.metrics == {"loss": 0.25, "tag": "warmup"} and first.reduce == {"tag": "last"}
-    assert first.tracked == {"loss": 0.25}
-    assert np.asarray(first.trace["ids"]).tolist() == [0, 1, 2]
-    assert second.metrics == {} and second.trace == {} and second.tracked == {}
-    assert second.reduce == {}
-
-
 async def test_out_of_data_discards_the_unfinished_step() -> None:
     seen: list[dict[str, Any]] = []
     async with HookBus() as bus:

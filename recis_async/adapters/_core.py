@@ -35,6 +35,7 @@ from ..events import (
     AfterEval,
     AfterLoadCheckpoint,
     AfterOptimizerStep,
+    AfterStep,
     AfterTrain,
     BeforeEpoch,
     BeforeOptimizerStep,
@@ -394,7 +395,13 @@ class Driver:
             if extra:
                 _add_metrics(extra)
         bus.publish(
-            bus._bus._collector.step_event(is_train, global_step, local_step, epoch, samples)
+            AfterStep(
+                is_train=is_train,
+                global_step=global_step,
+                local_step=local_step,
+                epoch=epoch,
+                samples=samples,
+            )
         )
         return bus.should_stop
 
