@@ -24,16 +24,23 @@ def table_rows(out: str, header: str) -> dict[str, list[str]]:
     }
 
 
+def run_bench(script: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """``python benchmarks/<script> <args>`` from the checkout's root, with its package and one
+    OpenMP thread; asserted to exit 0 (the failure shows the command and what it printed)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, f"benchmarks/{script}", *args]
+    proc = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+    assert proc.returncode == 0, " ".join(command[1:]) + proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
 @pytest.mark.slow
 def test_bench_gpu_runs_in_cpu_smoke_mode() -> None:
     """``benchmarks/bench_gpu.py --device cpu``: every variant runs with every hook on, and the
     table of ratios against the hook-free baseline is printed."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/bench_gpu.py", "--device", "cpu", "--backend", "trio"],
-        env=env, capture_output=True, text=True, timeout=600, cwd=ROOT,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    proc = run_bench("bench_gpu.py", "--device", "cpu", "--backend", "trio")
     out = proc.stdout
     hooks = out[out.index("hooks: ") :].splitlines()[0]
     for name in ("LoggerHook", "TraceHook", "TraceToOdpsHook", "MLTrackerHook",
@@ -51,13 +58,10 @@ def test_bench_gpu_runs_in_cpu_smoke_mode() -> None:
 def test_bench_hooks_breakdown_names_every_hook_and_collector_of_the_job() -> None:
     """``bench_hooks.py --only breakdown``: a row per subscriber, collector and bus part of
     the held-out job, on the Trainer and on an own loop, with the step thread's total."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/bench_hooks.py", "--only", "breakdown", "--rounds", "1",
-         "--breakdown-steps", "80", "--breakdown-configs", "trainer,async-loop"],
-        env=env, capture_output=True, text=True, timeout=600, cwd=ROOT,
+    proc = run_bench(
+        "bench_hooks.py", "--only", "breakdown", "--rounds", "1", "--breakdown-steps", "80",
+        "--breakdown-configs", "trainer,async-loop",
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     rows = table_rows(proc.stdout, "row")
     for name in ("hook ProgressBarHook.after_step", "hook MLTrackerHook.after_step",
                  "hook LoggerHook.after_step",
@@ -75,12 +79,7 @@ def test_bench_hooks_breakdown_names_every_hook_and_collector_of_the_job() -> No
 def test_bench_peers_only_keeps_the_a_a_row() -> None:
     """``bench_peers.py --only``: plain and plain-again (the A/A row) run beside what was
     asked; ``own`` is the two own loops."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/bench_peers.py", "--quick", "--only", "own"],
-        env=env, capture_output=True, text=True, timeout=600, cwd=ROOT,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    proc = run_bench("bench_peers.py", "--quick", "--only", "own")
     table = proc.stdout.split("\n\n")[0]  # the first table (the within-repetition one follows)
     paths = [line.split("|")[1].strip() for line in table.splitlines() if line[:2] == "| "]
     assert paths == ["path", "plain", "plain-again", "async-loop", "sync-loop"], proc.stdout
@@ -89,12 +88,7 @@ def test_bench_peers_only_keeps_the_a_a_row() -> None:
 @pytest.mark.slow
 def test_bench_hooks_copy_out_compares_the_three_places() -> None:
     """``bench_hooks.py --only copy-out``: on the step, batched in the thread, every step."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/bench_hooks.py", "--only", "copy-out", "--rounds", "1"],
-        env=env, capture_output=True, text=True, timeout=600, cwd=ROOT,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    proc = run_bench("bench_hooks.py", "--only", "copy-out", "--rounds", "1")
     rows = [line for line in proc.stdout.splitlines() if line.startswith(("on the", "copy-out"))]
     assert len(rows) == 3 and all(float(row.split()[-4]) > 0 for row in rows), proc.stdout
 
@@ -211,14 +205,8 @@ def test_bench_peers_paired_report_reads_each_block_at_its_speed() -> None:
 def test_bench_instructions_child_runs_each_path_without_valgrind() -> None:
     """``bench_instructions.py --child``: the job of each path runs as it will under callgrind
     (its time-based work scaled), start to end, on a machine without valgrind too."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     for config in ("plain", "trainer", "async-loop", "sync-loop"):
-        proc = subprocess.run(
-            [sys.executable, "benchmarks/bench_instructions.py", "--child", config,
-             "--steps", "5"],
-            env=env, capture_output=True, text=True, timeout=600, cwd=ROOT,
-        )  # fmt: skip
-        assert proc.returncode == 0, config + proc.stdout[-2000:] + proc.stderr[-4000:]
+        run_bench("bench_instructions.py", "--child", config, "--steps", "5")
 
 
 @pytest.mark.slow
@@ -227,13 +215,10 @@ def test_bench_instructions_child_runs_each_path_without_valgrind() -> None:
 def test_bench_instructions_counts_each_path_under_callgrind(cycles: bool) -> None:
     """``bench_instructions.py``: a count per path, the plain loop's first, each over it (in
     k and in % of the plain loop's); ``--cycles``: estimated cycles, more than instructions."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/bench_instructions.py", "--only", "async-loop",
-         "--steps", "5", *(["--cycles"] if cycles else [])],
-        env=env, capture_output=True, text=True, timeout=900, cwd=ROOT,
+    proc = run_bench(
+        "bench_instructions.py", "--only", "async-loop", "--steps", "5",
+        *(["--cycles"] if cycles else []), timeout=900,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     rows = table_rows(proc.stdout, "path")
     assert list(rows) == ["plain", "async-loop"], proc.stdout
     assert rows["plain"][1:] == ["+0.0", "+0.0"] and float(rows["async-loop"][0]) > 100, proc.stdout
@@ -275,12 +260,7 @@ def test_bench_import_times_each_path_and_names_what_it_pulled_in() -> None:
 def test_bench_cold_prints_each_pair_of_ways() -> None:
     """``bench_cold.py``: every way of every pair timed after a training step, each with its
     difference from its pair's first way (zero for that one)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/bench_cold.py", "--rounds", "3", "--hidden", "16"],
-        env=env, capture_output=True, text=True, timeout=600, cwd=ROOT,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    proc = run_bench("bench_cold.py", "--rounds", "3", "--hidden", "16")
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| ")]
     ways = {(pair.strip(), way.strip()): (float(median), float(minus))
             for pair, way, median, minus in rows[1:]}  # fmt: skip
