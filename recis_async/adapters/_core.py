@@ -174,8 +174,24 @@ class Driver:
     def fail(self, exc: BaseException) -> None:
         """The framework reports that the run failed with ``exc``: close the owned bus with it
         (``Error`` then ``End(status="failed")``; its close errors are logged, the run's own
-        exception is what the framework raises)."""
-        if self.bus is None or not self._owned or self._entered:
+        exception is what the framework raises).  A ``SystemExit`` of status 0 after the bus's
+        stop signal is the framework quitting on that signal: the bus closes as preempted and
+        the exit carries the signal's status."""
+        bus = self.bus
+        if bus is None or not self._owned or self._entered:
+            return
+        if isinstance(exc, SystemExit) and not exc.code and bus._bus._signals.signum is not None:
+            # The framework quit on the stop signal the bus handled, with an exit status of 0
+            # (Lightning raises its SIGTERMException, a bare SystemExit, at the step boundary
+            # after a SIGTERM): the run was preempted, not failed -- End("preempted"), and the
+            # process exits with the signal's status (128 + signal) as any preempted run
+            # does, not 0, which a scheduler would read as a finished job.
+            try:
+                self.close()  # raises what leaving the bus raises after a signal
+            except SystemExit as exit_:
+                exc.code = exit_.code
+            except KeyboardInterrupt:  # the bus's SIGINT in an interactive session: the
+                pass  # framework's own exit ends the cell all the same
             return
         try:
             self.close(exc)

@@ -27,6 +27,9 @@ Lightning's callback points, and what each publishes (reference order):
 ``state_dict``                     ``BeforeSaveCheckpoint``; every hook's state, saved in
                                    Lightning's checkpoint under this callback's state key
 ``teardown`` / ``on_exception``    the owned bus closes: ``End`` once, services drained
+                                   (Lightning's own quit on a SIGTERM, a ``SystemExit`` of
+                                   status 0, after the bus's stop on that signal: closed as
+                                   preempted, the exit given status 128 + signal)
 =================================  ===========================================================
 
 ``AfterStep.metrics``: ``loss`` (the training step's loss tensor, as the training step

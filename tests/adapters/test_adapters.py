@@ -1,17 +1,22 @@
 """The adapters with the real frameworks: a short CPU job per framework carrying the trace,
 tracker, logger and NaN hooks, read back complete and once; a hook's stop request stopping
-the framework's loop at that step; a failure and a Ctrl-C ending the job with every row of
-the steps the hooks were handed delivered; the hooks' state travelling with the framework's
-checkpoints."""
+the framework's loop at that step; a failure, a Ctrl-C and a scheduler's SIGTERM ending the
+job with every row of the steps the hooks were handed delivered; the hooks' state travelling
+with the framework's checkpoints, and a job killed with SIGKILL and resumed from them tracing
+each step once."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pyarrow.dataset as ds
 import pytest
 
 pytest.importorskip("lightning")
@@ -19,6 +24,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("ignite")
 
 import peers_support as ps  # noqa: E402
+from subprocess_support import wait_for  # noqa: E402
 from terminal import Terminal  # noqa: E402
 
 from recis_async.errors import HookError  # noqa: E402
@@ -28,6 +34,7 @@ from recis_async.syncbus import SyncHookBus  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).parent / "scripts" / "peer_job.py"
+RESUME = Path(__file__).parent / "scripts" / "resume_job.py"
 STEPS = 5  # per epoch
 
 
@@ -126,27 +133,38 @@ def test_a_given_bus_is_left_open_for_its_owner(tmp_path: Path) -> None:
     ps.check_delivered(tmp_path, published.steps)
 
 
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
 @pytest.mark.parametrize("framework", ps.FRAMEWORKS)
-def test_ctrl_c_in_a_terminal_ends_the_job_with_its_rows_delivered(
-    framework: str, tmp_path: Path
+def test_a_stop_signal_ends_the_job_preempted_with_its_rows_delivered(
+    framework: str, stop: str, tmp_path: Path
 ) -> None:
-    """One Ctrl-C: the job stops at the next step boundary and every row of every step the
-    hooks were handed is in Parquet once, nothing spilled.  The disk is made slower than the
-    steps (50 ms a write), as on a loaded machine: the batch sealed by the step after the
-    Ctrl-C then finds the writer's queue full, and was spilled (steps 8-11 of Ignite's run,
-    found once in three full runs before the disk was slowed here)."""
+    """One Ctrl-C in the job's terminal, or one SIGTERM to its process group (a scheduler's):
+    the job stops at the next step boundary, every row of every step the hooks were handed is
+    in Parquet once, nothing spilled, the tracker's run is ``preempted`` and the process exits
+    with 128 + the signal.  (Lightning quits on a SIGTERM of its own accord with exit status
+    0, which a scheduler reads as a finished job: the run was marked failed and the process
+    exited 0 until the adapter took that exit for the preemption it is.)  The disk is made
+    slower than the steps (50 ms a write), as on a loaded machine: the batch sealed by the
+    step after the stop then finds the writer's queue full, and was spilled (steps 8-11 of
+    Ignite's run, found once in three full runs before the disk was slowed here)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     argv = [sys.executable, str(SCRIPT), framework, str(tmp_path), "0.05"]
+    signum = signal.SIGINT if stop == "ctrl-c" else signal.SIGTERM
     with Terminal(argv, env=env) as term:
         term.expect(b"ready", timeout=240)
-        term.press(b"\x03")
+        if stop == "ctrl-c":
+            term.press(b"\x03")
+        else:
+            os.killpg(term.proc.pid, signal.SIGTERM)
         rc = term.wait(timeout=240)
-    assert rc == 128 + signal.SIGINT, term.text
+    assert rc == 128 + signum, term.text
     assert "Traceback" not in term.text, term.text
     assert "finished without a stop" not in term.text
     steps = [int(s) for s in (tmp_path / "published.txt").read_text().split()]
     assert len(steps) >= 11
     ps.check_delivered(tmp_path, steps)
+    (run,) = (tmp_path / "ml").rglob("run.json")
+    assert json.loads(run.read_text())["status"] == "preempted"
 
 
 class Counting(Hook):
@@ -181,6 +199,46 @@ def test_hook_state_travels_with_the_frameworks_checkpoint(framework: str, tmp_p
     assert first.count == STEPS and first.saves == [STEPS]
     assert second.loaded == [STEPS]
     assert second.count == 2 * STEPS  # restored, then the second epoch's steps
+
+
+@pytest.mark.parametrize("framework", ps.FRAMEWORKS)
+def test_kill_9_then_resume_from_the_frameworks_checkpoint_traces_each_step_once(
+    framework: str, tmp_path: Path
+) -> None:
+    """A job checkpointing with its framework's own checkpoints every 8 steps is killed with
+    SIGKILL (a preemption without grace) at step 21, once the rows of steps 0-20 are on disk,
+    and resumed from its newest checkpoint (step 16) as that framework resumes.  The steps
+    from the checkpoint to the kill, trained again, are not traced again (the trace hook's
+    run travels in the checkpoint, and the sink names the steps each file holds); every step
+    is in the table once."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    argv = [sys.executable, str(RESUME), framework, str(tmp_path)]
+    first = subprocess.Popen(
+        [*argv, "--kill-after", "21"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,  # read with stdout: a full stderr pipe would stall the job
+        text=True,
+        env=env,
+    )
+    try:
+        wait_for(first, "ready", timeout=240)
+    finally:
+        first.kill()
+        first.communicate(timeout=60)
+    before = _traced_steps(tmp_path)
+    assert set(range(21)) <= set(before), sorted(before)
+    done = subprocess.run([*argv, "--resume"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "were delivered before it stopped; resumed at step 16" in done.stderr, done.stderr
+    counts = Counter(_traced_steps(tmp_path))
+    assert counts == dict.fromkeys(range(48), ps.ROWS), sorted(counts.items())
+    assert not (tmp_path / "spill").exists() or not list((tmp_path / "spill").iterdir())
+
+
+def _traced_steps(out: Path) -> list[int]:
+    """The ``step`` column of every row in the Parquet files (one entry per row)."""
+    files = [str(p) for p in (out / "t").rglob("*.parquet")]
+    return ds.dataset(files, format="parquet").to_table(columns=["step"])["step"].to_pylist()
 
 
 def test_ignite_handles_get_batch_completed_only_while_after_data_has_a_subscriber(
