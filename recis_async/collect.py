@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from .aggregate import Reduction, check_reduction
-from .events import AfterStep, metric_dtypes
+from .events import AfterStep, TraceParts, metric_dtypes
 from .hostcopy import DEFAULT_HOST_BUFFER_BYTES, HostBufferPool, HostCopy, held, resolved_dtype
 
 __all__ = [
@@ -96,8 +96,9 @@ class StepCollector:
         host copies nobody will see give their buffers back."""
         for values in (self.trace, self.tracked):
             for value in values.values():
-                if type(value) is HostCopy:
-                    value.release()
+                for part in value if type(value) is TraceParts else (value,):
+                    if type(part) is HostCopy:
+                        part.release()
         self.metrics, self.trace, self.tracked, self.reduce = {}, {}, {}, {}
 
 
@@ -298,20 +299,20 @@ def add_to_trace(name: str, value: Any) -> None:
     would cost the step more than the clone); CPU tensors of other kinds (``bfloat16`` as
     ``float32``), numpy arrays and lists are copied as numpy arrays.
 
-    A column is recorded once per step: a second call with the same name before the step's
-    ``AfterStep`` is refused (it would silently replace the first).  A masked numpy array is
-    refused if any entry is masked (trace rows have no missing values)."""
+    A column traced again before the step's ``AfterStep`` gets the new rows after the earlier
+    ones, as a step over several micro-batches (gradient accumulation; a Hugging Face
+    ``Trainer`` step) traces each: its ``AfterStep.trace`` then holds a
+    :class:`~recis_async.events.TraceParts`
+    of the values in call order.  A masked numpy array is refused if any entry is masked
+    (trace rows have no missing values)."""
     collector = _current.get()
     if collector is None or not collector.open:
         collector = current_collector("add_to_trace")  # raises, naming the call
     if type(name) is not str or not name:
         _check_name("add_to_trace", name)
-    if name in collector.trace:
-        raise ValueError(
-            f"add_to_trace({name!r}): expected one value per column per step, got a second "
-            f"one before AfterStep (the first would be silently replaced): concatenate the "
-            f"values and call add_to_trace once"
-        )
+    if name in collector.trace:  # traced again in this step: rows after the earlier ones
+        _trace_again(collector.trace, name, value)
+        return
     # the hot path is kept short on purpose (it runs every step, right after the model's
     # compute, when Python's code -- and numpy's -- is out of cache): a dense CPU tensor of
     # a dtype numpy has is cloned and held, read off the step (hostcopy.held); every other
@@ -359,6 +360,20 @@ def add_to_trace(name: str, value: Any) -> None:
         )
     array.setflags(write=False)  # ours alone: hooks may keep it without another copy
     collector.trace[name] = array
+
+
+def _trace_again(trace: dict[str, Any], name: str, value: Any) -> None:
+    """Record ``value`` as ``add_to_trace`` does, as the next part of column ``name``: the
+    column becomes a :class:`~recis_async.events.TraceParts`; a value refused leaves the
+    column as it was."""
+    earlier = trace.pop(name)
+    try:
+        add_to_trace(name, value)
+    except BaseException:
+        trace[name] = earlier
+        raise
+    part = trace[name]
+    trace[name] = TraceParts((*earlier, part) if type(earlier) is TraceParts else (earlier, part))
 
 
 def _host_copy(collector: StepCollector, caller: str, name: str, value: torch.Tensor) -> HostCopy:

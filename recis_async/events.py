@@ -48,6 +48,7 @@ __all__ = [
     "OutOfData",
     "Start",
     "StepEvent",
+    "TraceParts",
     "WindowMode",
     "method_name",
 ]
@@ -175,6 +176,15 @@ class AfterOptimizerStep(StepEvent, frozen=True, kw_only=True):
     scaler: Any = None
 
 
+class TraceParts(tuple[Any, ...]):
+    """An ``AfterStep.trace`` column recorded by several ``add_to_trace`` calls in its step
+    (each micro-batch of a step that accumulates gradients over several): what each call
+    recorded, in call order; the column's rows are theirs, one after the other.  A column
+    traced once is its value itself."""
+
+    __slots__ = ()
+
+
 class AfterStep(StepEvent, frozen=True, kw_only=True):
     """A step finished.
 
@@ -186,10 +196,11 @@ class AfterStep(StepEvent, frozen=True, kw_only=True):
     on an ordinary step); ``tracked`` values numbers, lists or
     :class:`~recis_async.hostcopy.HostCopy` s (tensors on their way to the host); ``trace``
     values arrays, lists or ``HostCopy`` s of one entry per row (checked against the table by
-    the trace hooks).  A ``HostCopy`` is read with ``np.asarray(value)``, which waits for the
-    device: do it in a worker thread, or once ``value.ready()``.  ``reduce`` maps a metric to
-    how an evaluation pass combines it (``add_metric(..., reduce=...)``); metrics not named
-    there are averaged, weighted by ``samples``.
+    the trace hooks), or a :class:`TraceParts` of them for a column traced in parts.  A
+    ``HostCopy`` is read with ``np.asarray(value)``, which waits for the device: do it in a
+    worker thread, or once ``value.ready()``.  ``reduce`` maps a metric to how an evaluation
+    pass combines it (``add_metric(..., reduce=...)``); metrics not named there are averaged,
+    weighted by ``samples``.
     """
 
     samples: NonNegativeInt = 0
@@ -335,7 +346,7 @@ def _bad(event: object, field: str, expected: str, value: object) -> Exception:
 
 _METRIC = "a dict of str -> number, str, list, numpy array or dense numeric tensor"
 _PLAIN_METRIC = "a dict of str -> number, str, list or numpy array (values read already)"
-_TRACE = "a dict of str -> numpy array, list or HostCopy (one entry per row)"
+_TRACE = "a dict of str -> numpy array, list or HostCopy (one entry per row), or TraceParts of them"
 _TRACKED = "a dict of str -> number, list or HostCopy"
 _REDUCE = "a dict of str -> 'mean', 'sum', 'max', 'min', 'last' or a callable"
 
@@ -400,6 +411,8 @@ def _is_reduction(value: object) -> bool:
 
 
 def _is_trace(value: object) -> bool:
+    if type(value) is TraceParts:
+        return all(isinstance(part, np.ndarray | list | HostCopy) for part in value)
     return isinstance(value, np.ndarray | list | HostCopy)
 
 

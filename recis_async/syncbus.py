@@ -50,10 +50,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import inspect
+import logging
+import os
 import signal
+import sys
 import threading
 import types
+import weakref
 from asyncio import events as _asyncio_events
 from collections.abc import Callable, Coroutine, Generator, Iterator, Mapping
 from contextvars import ContextVar, Token
@@ -96,6 +101,8 @@ class _NoLocal:
 
 _library: Any = sniffio.thread_local if sniffio is not None else _NoLocal()
 _getcurrent = greenlet.getcurrent
+
+logger = logging.getLogger(__name__)
 
 #: The bus whose own context this is (see :meth:`SyncHookBus._serve`): set there only, so it
 #: is the bus while its code or a subscriber runs, in whichever greenlet; how a call made from
@@ -240,6 +247,51 @@ def _keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
+def _close_at_exit(bus: SyncHookBus) -> None:
+    """Have ``bus`` closed when the program ends with it still open (a loop that died before
+    its ``close()``; a Hugging Face ``Trainer`` run that failed, which it tells no callback).
+
+    Otherwise the process never exits: the interpreter waits for its non-daemon threads before
+    anything else at exit, and the bus's event loop, suspended, never ends the worker
+    threads it started (anyio's), so the wait has no end -- a SIGTERM included, as the bus
+    handles it with a stop no loop acts on.  ``atexit`` runs after that wait; the hook
+    threading itself gives ``concurrent.futures`` runs before it."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # not CPython's threading
+        return
+    try:
+        register(functools.partial(_at_exit, weakref.ref(bus), os.getpid(), threading.get_ident()))
+    except RuntimeError:  # the interpreter is exiting already
+        pass
+
+
+def _at_exit(ref: weakref.ReferenceType[SyncHookBus], pid: int, thread: int) -> None:
+    """Close the bus if it is still open, in the process and thread that opened it (the main
+    thread, where this runs; not in a forked child, such as a ``DataLoader`` worker, whose
+    ``multiprocessing`` exit runs these hooks too), with the exception that ended the
+    program, if one did: ``Error`` and ``End("failed")``, every service drained within
+    ``flush_timeout``."""
+    bus = ref()
+    if bus is None or bus._state != "open" or os.getpid() != pid or threading.get_ident() != thread:
+        return
+    exc: BaseException | None = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    logger.warning(
+        "SyncHookBus still open as the program ends%s: closing it now (End published, "
+        "services drained). Close it in the program: `with SyncHookBus() as bus:` or "
+        "bus.close() (a Hugging Face Trainer: `with callback: trainer.train()`)",
+        "" if exc is None else f" after {type(exc).__name__}: {exc}",
+    )
+    try:
+        if exc is None:
+            bus.close()
+        else:
+            bus.__exit__(type(exc), exc, exc.__traceback__)
+    except (SystemExit, KeyboardInterrupt):  # a stop signal's exit: the program ends anyway
+        pass
+    except BaseException as error:
+        logger.error("closing the SyncHookBus at exit failed: %s", error)
+
+
 class SyncHookBus:
     """A :class:`~recis_async.HookBus` for synchronous code: ``with SyncHookBus() as bus:``.
 
@@ -310,6 +362,7 @@ class SyncHookBus:
         reply = self._to_loop(None)  # runs until the HookBus is entered (or failed to)
         if reply is not None:
             self._settle(reply)
+        _close_at_exit(self)
         return self
 
     def open(self) -> SyncHookBus:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import json
 import os
 import signal
 import subprocess
@@ -616,3 +617,33 @@ def test_sigterm_stops_gracefully_and_the_process_exits(tmp_path: Path) -> None:
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, stderr.decode()
     _owed_rows_delivered(tmp_path)
+
+
+@pytest.mark.parametrize("ending", ["raise", "return"])
+def test_a_bus_left_open_is_closed_when_the_program_ends(
+    backend: str, ending: str, tmp_path: Path
+) -> None:
+    """A program that opened a bus with ``open()`` and ended without ``close()`` -- dead of an
+    exception, or at its end -- still exits, and its hooks deliver: the bus is closed as the
+    interpreter ends (``End``: failed, with the program's exception, or ok), with a warning
+    saying so.  It used to wait forever at exit on the worker thread the suspended loop never
+    stopped (asyncio), a SIGTERM included; on trio it exited with the buffered rows lost."""
+    script = ROOT / "tests" / "scripts" / "left_open.py"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), backend, ending],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == (1 if ending == "raise" else 0), done.stderr
+    assert "SyncHookBus still open as the program ends" in done.stderr, done.stderr
+    ids = ds.dataset(tmp_path / "t", format="parquet").to_table()["id"].to_pylist()
+    assert Counter(ids) == Counter(range(20))
+    (run,) = (tmp_path / "ml").rglob("run.json")
+    status = "failed" if ending == "raise" else "ok"
+    assert json.loads(run.read_text())["status"] == status
+    (metrics,) = (tmp_path / "ml").rglob("metrics.jsonl")
+    assert len(metrics.read_text().splitlines()) == 5
+    assert not (tmp_path / "spill").exists() or not list((tmp_path / "spill").iterdir())

@@ -22,6 +22,7 @@ import msgspec
 import numpy as np
 import pyarrow as pa
 
+from ..events import TraceParts
 from ..hostcopy import HostCopy
 from .schema import (
     _OFFSET_MAX,
@@ -49,6 +50,20 @@ def _chunk(field: str, type_: OdpsType, value: object) -> Chunk:
     if type(value) is HostCopy and (chunk := host_chunk(type_, value)) is not None:
         return chunk
     return convert(field, type_, value)
+
+
+def _field_chunks(field: str, type_: OdpsType, value: object) -> Chunk | tuple[Chunk, ...]:
+    """One field's chunk on the full path, or a tuple of them for a column traced in parts
+    (:class:`~recis_async.events.TraceParts`, each part checked as a value of its own)."""
+    if type(value) is TraceParts:
+        return tuple(_chunk(field, type_, part) for part in value)
+    return _chunk(field, type_, value)
+
+
+def _rows(chunks: Chunk | tuple[Chunk, ...]) -> int:
+    if isinstance(chunks, tuple):
+        return sum(chunk_rows(chunk) for chunk in chunks)
+    return chunk_rows(chunks)
 
 
 class Batch(msgspec.Struct, frozen=True, kw_only=True):
@@ -176,7 +191,9 @@ class ColumnBuffer:
             return 0.0
         return (time.monotonic() if now is None else now) - self._first_at
 
-    def validate(self, trace: Mapping[str, object]) -> tuple[tuple[Chunk, ...], int]:
+    def validate(
+        self, trace: Mapping[str, object]
+    ) -> tuple[tuple[Chunk | tuple[Chunk, ...], ...], int]:
         """Check a step's ``trace`` and return one chunk per declared field, in order, and the
         number of rows.
 
@@ -189,7 +206,9 @@ class ColumnBuffer:
             return fast
         return self._converted(trace)
 
-    def _converted(self, trace: Mapping[str, object]) -> tuple[tuple[Chunk, ...], int]:
+    def _converted(
+        self, trace: Mapping[str, object]
+    ) -> tuple[tuple[Chunk | tuple[Chunk, ...], ...], int]:
         """:meth:`validate`'s full way, every field through its conversion."""
         names = set(trace)
         missing = [f for f in self.fields if f not in names]
@@ -205,12 +224,10 @@ class ColumnBuffer:
                 f"(declared: {', '.join(self.fields)})"
             )
         pairs = zip(self.fields, self.types, strict=True)
-        columns = tuple(_chunk(f, t, trace[f]) for f, t in pairs)
-        rows = chunk_rows(columns[0])
-        if any(chunk_rows(c) != rows for c in columns):
-            counts = ", ".join(
-                f"{f}={chunk_rows(c)}" for f, c in zip(self.fields, columns, strict=True)
-            )
+        columns = tuple(_field_chunks(f, t, trace[f]) for f, t in pairs)
+        rows = _rows(columns[0])
+        if any(_rows(c) != rows for c in columns):
+            counts = ", ".join(f"{f}={_rows(c)}" for f, c in zip(self.fields, columns, strict=True))
             raise ValueError(
                 f"trace fields must have the same number of rows: expected {rows} rows "
                 f"(from {self.fields[0]!r}) in every field, got {counts}"
@@ -288,8 +305,12 @@ class ColumnBuffer:
             return 0
         nbytes = 0  # a host copy counts as its resolved array: exact before and after
         for held, chunk in zip(self._chunks, chunks, strict=True):
-            held.append(chunk)
-            nbytes += chunk.nbytes
+            if isinstance(chunk, tuple):  # a column traced in parts (TraceParts)
+                held.extend(chunk)
+                nbytes += sum(part.nbytes for part in chunk)
+            else:
+                held.append(chunk)
+                nbytes += chunk.nbytes
         self._rows += rows
         self._nbytes += nbytes
         self.step_nbytes = nbytes

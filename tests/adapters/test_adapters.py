@@ -241,6 +241,53 @@ def _traced_steps(out: Path) -> list[int]:
     return ds.dataset(files, format="parquet").to_table(columns=["step"])["step"].to_pylist()
 
 
+def test_a_hugging_face_step_over_micro_batches_traces_each(tmp_path: Path) -> None:
+    """``gradient_accumulation_steps=2``: a ``Trainer`` step runs the model on two
+    micro-batches, each tracing its rows; the step's trace holds both (it failed at the
+    second micro-batch's ``add_to_trace`` before), and every row is in Parquet once."""
+    from recis_async.adapters.transformers import RecisTrainerCallback
+    from recis_async.events import TraceParts
+
+    parts: list[int] = []
+
+    class Parts(Hook):
+        def after_step(self, event: AfterStep) -> None:
+            if event.is_train:
+                column = event.trace["id"]
+                parts.append(len(column) if type(column) is TraceParts else 1)
+
+    hooks, _, published = ps.job_hooks(tmp_path, Parts())
+    callback = RecisTrainerCallback(hooks)
+    trainer = ps.hf_job(tmp_path, callback, rows=ps.ROWS * 8, gradient_accumulation_steps=2)
+    assert trainer.state.global_step == 4
+    assert published.steps == [0, 1, 2, 3] and parts == [2, 2, 2, 2]
+    assert Counter(ps.traced_ids(tmp_path)) == Counter(range(ps.ROWS * 8))
+    assert sorted(ps.tracked_steps(tmp_path)) == [0, 1, 2, 3]
+
+
+def test_a_hugging_face_job_failing_outside_a_with_block_still_exits_with_its_rows(
+    tmp_path: Path,
+) -> None:
+    """The ``Trainer`` tells no callback that it failed, so a run not wrapped in ``with
+    callback:`` leaves the bus open: the bus is closed as the program ends (``End``: failed),
+    its rows delivered, and the process exits with the model's error.  It waited forever at
+    exit on the bus's worker thread, a SIGTERM included."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT.parent / "hf_fails.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "RuntimeError: boom" in done.stderr
+    assert "SyncHookBus still open as the program ends after RuntimeError: boom" in done.stderr
+    ps.check_delivered(tmp_path, [0, 1, 2])
+    (run,) = (tmp_path / "ml").rglob("run.json")
+    assert json.loads(run.read_text())["status"] == "failed"
+
+
 def test_ignite_handles_get_batch_completed_only_while_after_data_has_a_subscriber(
     tmp_path: Path,
 ) -> None:

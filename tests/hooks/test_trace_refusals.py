@@ -1,5 +1,5 @@
 """What used to be silently wrong or unclear in the trace pipeline, refused or said plainly:
-a column added twice in a step, a masked array, partition values that name other folders,
+a column traced again in a step (its rows appended), a masked array, partition values that name other folders,
 steps after ``End``, a hook reused on a second bus, a replay of a batch already present,
 a close listing every spill file, ``.tmp`` files left by ``kill -9``, a step larger than
 ``size_threshold``, and ``max_age``'s default."""
@@ -20,9 +20,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow.dataset as pads
 import pytest
+import torch
 
 from recis_async import HookBus, HookError, add_to_trace
-from recis_async.events import AfterStep, BeforeStep
+from recis_async.events import AfterStep, BeforeStep, TraceParts
 from recis_async.hooks import TraceHook
 from recis_async.sinks import ParquetSink
 from recis_async.spill import SpillEntry, write_spill
@@ -51,19 +52,40 @@ def table_ids(root: Path) -> list[int]:
 
 
 @pytest.mark.anyio
-async def test_a_second_add_to_trace_of_one_name_in_a_step_is_refused_at_the_call(
+async def test_a_column_traced_again_in_a_step_holds_the_rows_of_every_call(
     tmp_path: Path,
 ) -> None:
+    """A step over several micro-batches (gradient accumulation) traces each: the column's
+    rows are those of every call, in call order, whatever each call was given (an array, a
+    CPU tensor, a list); the step's other columns must match their total.  A value refused
+    on the second call leaves the column as the first call made it."""
+    seen: list[object] = []
     async with HookBus() as bus:
         bus.add_hook(hook(tmp_path))
+        bus.subscribe(AfterStep, lambda event: seen.append(event.trace["id"]), priority=0)
         await bus.publish(BeforeStep(global_step=0))
         add_to_trace("id", np.arange(4))
-        with pytest.raises(ValueError, match=r"add_to_trace\('id'\): expected one value per"):
-            add_to_trace("id", np.arange(4, 8))
         add_to_trace("x", np.zeros(4))
-        await bus.publish(AfterStep(global_step=0, samples=4))
-        await step(bus, 1)  # the next step takes the name again
-    assert table_ids(tmp_path / "root") == [0, 1, 2, 3, 4, 5, 6, 7]
+        add_to_trace("id", torch.arange(4, 6))
+        with pytest.raises(ValueError, match=r"add_to_trace\('id'\): .*got a scalar"):
+            add_to_trace("id", torch.tensor(99))
+        add_to_trace("id", [6, 7])
+        add_to_trace("x", torch.ones(4, dtype=torch.float64))
+        await bus.publish(AfterStep(global_step=0, samples=8))
+        await step(bus, 2)  # the next step starts with one call per column again
+        await bus.publish(BeforeStep(global_step=3))
+        add_to_trace("id", np.arange(12, 16))
+        add_to_trace("id", np.arange(16, 20))
+        add_to_trace("x", np.zeros(4))
+        with pytest.raises(HookError, match=r"expected 8 rows \(from 'id'\) .* got id=8, x=4"):
+            await bus.publish(AfterStep(global_step=3, samples=8))
+    assert isinstance(seen[0], TraceParts) and len(seen[0]) == 3
+    assert type(seen[1]) is np.ndarray  # traced once: the value itself
+    table = pads.dataset(tmp_path / "root" / "t").to_table().to_pylist()
+    rows = sorted((r["id"], r["x"]) for r in table)
+    assert rows == [(i, 0.0) for i in range(4)] + [(i, 1.0) for i in range(4, 8)] + [
+        (i, 2.0) for i in range(8, 12)
+    ]
 
 
 @pytest.mark.anyio
