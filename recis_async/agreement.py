@@ -72,6 +72,11 @@ class Agreement:
         """Whether an agreement was started and not yet read."""
         return self._pending is not None
 
+    def settled(self) -> bool:
+        """Whether no collective of this agreement is in flight: none was started and left
+        unread, or the one that was has completed (its group may then be released)."""
+        return self._pending is None or bool(self._pending.work.is_completed())
+
     def start(self, offer: int, step: int) -> None:
         """Offer ``offer`` for the boundary after ``step`` (no wait: the collective runs in the
         background)."""

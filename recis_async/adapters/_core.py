@@ -15,6 +15,11 @@ receives any event from inside a training step (``BeforeStep`` either), an adapt
 framework's callbacks inside the step unhandled and publishes the step whole at its end
 (:meth:`Driver.whole_step`): every callback a framework dispatches costs each of its steps,
 published or not.
+
+In a distributed run (a process group of several ranks when the run starts) a stop request
+of the bus reaches the framework only as the ranks agreed after a training step
+(:mod:`recis_async.agreement`, as the ``Trainer`` does): a rank stopping alone would leave the
+others waiting in the next step's gradient collective.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
+from .. import dist
 from .._checks import boolean, positive_number
+from ..agreement import CONTINUE, STOP, Agreement
 from ..collect import add_metric, current_collector
 from ..events import (
     AfterBackward,
@@ -51,6 +58,10 @@ from ..syncbus import SyncHookBus
 __all__ = ["Adapter", "Driver", "plain_metrics"]
 
 logger = logging.getLogger("recis_async.adapters")
+
+#: Seconds a rank waits for the others in the stop agreement of a distributed run before it
+#: names itself and fails (as ``TrainingArguments.collective_timeout``'s default).
+COLLECTIVE_TIMEOUT = 300.0
 
 
 def _place(step: BeforeStep) -> dict[str, Any]:
@@ -109,6 +120,8 @@ class Driver:
             (BeforeStep, AfterData, AfterBackward, BeforeOptimizerStep, AfterOptimizerStep), False
         )
         self._any_inside = False  # whether any of them has
+        # a distributed run's stop agreement over the ranks (see _stop_after), while it runs
+        self._agreement: Agreement | None = None
 
     # ------------------------------------------------------------------ the bus
     def __enter__(self) -> SyncHookBus:
@@ -155,12 +168,16 @@ class Driver:
         self.step = None
         self._trained_epoch = None
         bus.publish(Start(is_train=is_train))
+        if is_train and self._agreement is None and dist.is_initialized():
+            if dist.get_world_size() > 1:  # every rank starts its run here: a collective
+                self._agreement = Agreement(dist.control_group(), COLLECTIVE_TIMEOUT)
         return bus
 
     def close(self, exc: BaseException | None = None) -> None:
         """The run ended (``exc``: how it failed): close the bus if this driver opened it;
         idempotent.  Leaving the bus after a stop signal raises ``SystemExit(128 + signal)``
         here, as ``with SyncHookBus()`` does."""
+        self._end_agreement()
         bus = self.bus
         if bus is None or not self._owned or self._entered:
             return
@@ -177,6 +194,7 @@ class Driver:
         exception is what the framework raises).  A ``SystemExit`` of status 0 after the bus's
         stop signal is the framework quitting on that signal: the bus closes as preempted and
         the exit carries the signal's status."""
+        self._end_agreement()
         bus = self.bus
         if bus is None or not self._owned or self._entered:
             return
@@ -198,6 +216,37 @@ class Driver:
         except BaseException as close_exc:  # the run's exception matters more
             if close_exc is not exc:
                 logger.error("%s: closing the bus after %r failed: %s", self.owner, exc, close_exc)
+
+    def _end_agreement(self) -> None:
+        """The run ended: release the stop agreement's process group, unless a collective of
+        it is still in flight (a rank that failed or stopped apart from the others): that
+        one is left to ``destroy_process_group()``."""
+        agreement, self._agreement = self._agreement, None
+        if agreement is not None and agreement.settled():
+            dist.release_group(agreement.group)
+
+    def _stop_after(self, bus: SyncHookBus, is_train: bool, global_step: int) -> bool:
+        """Whether the framework should stop after this step.  Alone, what the bus says.  In
+        a distributed run, what the ranks agreed (:mod:`recis_async.agreement`): after each
+        training step every rank offers whether its bus stops and reads what all offered
+        after the previous one, so a stop requested on some ranks (a hook, a signal reaching
+        them between different steps) stops every rank after the next step, and one that
+        every rank requested at once stops them all at once.  A rank stopping alone would
+        leave the others waiting in the next step's gradient collective.  An evaluation step
+        does not stop the run there: the request stays, for the next training step."""
+        agreement = self._agreement
+        if agreement is None:
+            return bus.should_stop
+        if not is_train:
+            return False
+        if agreement.pending and bus._call(agreement.result).value != CONTINUE:
+            return True  # what every rank offered after the last step: all stop here
+        offer = STOP if bus.should_stop else CONTINUE
+        agreement.start(offer, global_step)
+        if offer == STOP and bus._call(agreement.peek).low == STOP:
+            bus._call(agreement.result)  # every rank offered it now: none needs the lag
+            return True
+        return False
 
     def _receivers(self, bus: SyncHookBus) -> None:
         """Ask ``bus`` which optional step events have subscribers, when its subscriptions
@@ -419,7 +468,9 @@ class Driver:
                 samples=samples,
             )
         )
-        return bus.should_stop
+        if self._agreement is None:
+            return bus.should_stop
+        return self._stop_after(bus, is_train, global_step)
 
     def out_of_data(self) -> None:
         """The open step has no batch (the data ran out after ``BeforeStep``)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections import Counter
@@ -286,6 +287,37 @@ def test_a_hugging_face_job_failing_outside_a_with_block_still_exits_with_its_ro
     ps.check_delivered(tmp_path, [0, 1, 2])
     (run,) = (tmp_path / "ml").rglob("run.json")
     assert json.loads(run.read_text())["status"] == "failed"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", ps.FRAMEWORKS)
+def test_a_stop_requested_on_one_rank_stops_every_rank_at_the_same_step(
+    framework: str, tmp_path: Path
+) -> None:
+    """A distributed job (2 ranks, gloo, CPU: Lightning's own DDP launcher, ``torchrun`` for
+    the others) whose hook on rank 0 alone requests a stop after step 5: the ranks agree,
+    and every rank stops after step 6, its rows delivered.  Rank 0 used to stop alone,
+    leaving rank 1 in the next step's gradient collective until rank 0's exit broke it."""
+    script = SCRIPT.parent / "dist_job.py"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    argv = [sys.executable, str(script), framework, str(tmp_path)]
+    if framework != "lightning":
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            port = free.getsockname()[1]
+        argv[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node=2"]
+        argv[4:4] = ["--master_addr=127.0.0.1", f"--master_port={port}"]
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        published = (tmp_path / f"published{rank}.txt").read_text().split()
+        assert published == [str(step) for step in range(7)], (rank, done.stderr[-3000:])
+    ids = ps.traced_ids(tmp_path)
+    assert len(ids) == 2 * 7 * ps.ROWS and len(set(ids)) == len(ids)
 
 
 def test_ignite_handles_get_batch_completed_only_while_after_data_has_a_subscriber(
