@@ -302,9 +302,8 @@ def add_to_trace(name: str, value: Any) -> None:
     A column traced again before the step's ``AfterStep`` gets the new rows after the earlier
     ones, as a step over several micro-batches (gradient accumulation; a Hugging Face
     ``Trainer`` step) traces each: its ``AfterStep.trace`` then holds a
-    :class:`~recis_async.events.TraceParts`
-    of the values in call order.  A masked numpy array is refused if any entry is masked
-    (trace rows have no missing values)."""
+    :class:`~recis_async.events.TraceParts` of the values in call order.  A masked numpy
+    array is refused if any entry is masked (trace rows have no missing values)."""
     collector = _current.get()
     if collector is None or not collector.open:
         collector = current_collector("add_to_trace")  # raises, naming the call

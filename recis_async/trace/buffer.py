@@ -194,8 +194,8 @@ class ColumnBuffer:
     def validate(
         self, trace: Mapping[str, object]
     ) -> tuple[tuple[Chunk | tuple[Chunk, ...], ...], int]:
-        """Check a step's ``trace`` and return one chunk per declared field, in order, and the
-        number of rows.
+        """Check a step's ``trace`` and return one chunk per declared field, in order (a tuple
+        of chunks for a column traced in parts), and the number of rows.
 
         Raises ``ValueError`` naming the field, what was expected and what arrived when a
         declared field is missing, an undeclared one is present, a value cannot be
