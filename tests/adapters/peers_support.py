@@ -261,9 +261,18 @@ def hf_job(out: Path, callback: Any, *, rows: int, epochs: int = 1, **kw: Any) -
 def ignite_job(
     out: Path, attach_: Callable[[Any], Any], *, rows: int, epochs: int = 1
 ) -> Any:
+    engine, _ = ignite_engine(Net())
+    attach_(engine)
+    loader = torch.utils.data.DataLoader(Rows(rows), batch_size=ROWS, shuffle=False)
+    engine.run(loader, max_epochs=epochs)
+    return engine
+
+
+def ignite_engine(net: torch.nn.Module) -> tuple[Any, torch.optim.Optimizer]:
+    """An Ignite engine training ``net`` with SGD (its process function returns the loss
+    tensor), and the optimizer."""
     from ignite.engine import Engine
 
-    net = Net()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
 
     def update(engine: Engine, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -273,11 +282,7 @@ def ignite_job(
         optimizer.step()
         return loss.detach()
 
-    engine = Engine(update)
-    attach_(engine)
-    loader = torch.utils.data.DataLoader(Rows(rows), batch_size=ROWS, shuffle=False)
-    engine.run(loader, max_epochs=epochs)
-    return engine
+    return Engine(update), optimizer
 
 
 def ids_array(step: int) -> np.ndarray:
@@ -340,7 +345,7 @@ def checkpoint_and_resume(framework: str, out: Path, first: Hook, second: Hook, 
                 devices=1,
             )
             loader = torch.utils.data.DataLoader(Rows(rows), batch_size=ROWS, shuffle=False)
-            trainer.fit(_lightning_module(), loader, ckpt_path=ckpt)
+            trainer.fit(lightning_module(), loader, ckpt_path=ckpt)
 
         fit(first, 1, None)
         fit(second, 2, str(out / "ckpt" / "c.ckpt"))
@@ -370,23 +375,14 @@ def checkpoint_and_resume(framework: str, out: Path, first: Hook, second: Hook, 
         train(first, 1, False)
         train(second, 2, True)
     else:
-        from ignite.engine import Engine, Events
+        from ignite.engine import Events
         from ignite.handlers import Checkpoint, DiskSaver
 
         from recis_async.adapters.ignite import attach
 
         def run(hook: Hook, epochs: int, resume: bool) -> None:
             net = Net()
-            optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
-
-            def update(engine: Engine, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-                optimizer.zero_grad()
-                loss = net(**batch)["loss"]
-                loss.backward()
-                optimizer.step()
-                return loss.detach()
-
-            engine = Engine(update)
+            engine, optimizer = ignite_engine(net)
             adapter = attach(engine, [hook])
             objects = {"model": net, "optimizer": optimizer, "trainer": engine, "hooks": adapter}
             saver = Checkpoint(objects, DiskSaver(str(out / "ckpt"), require_empty=False), n_saved=1)
@@ -401,13 +397,14 @@ def checkpoint_and_resume(framework: str, out: Path, first: Hook, second: Hook, 
         run(second, 2, True)
 
 
-def _lightning_module() -> Any:
+def lightning_module(net: torch.nn.Module | None = None) -> Any:
+    """A LightningModule training ``net`` (a :class:`Net` by default) with SGD."""
     import lightning.pytorch as pl
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = Net()
+            self.net = Net() if net is None else net
 
         def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
             return self.net(**batch)["loss"]

@@ -60,17 +60,6 @@ def lightning(out: Path) -> None:
 
     from recis_async.adapters.lightning import RecisCallback
 
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = ps.Net()
-
-        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
-            return self.net(**batch)["loss"]
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
     rank = int(os.environ.get("LOCAL_RANK", "0"))  # set by Lightning for the rank it starts
     trainer = pl.Trainer(
         max_steps=STEPS,
@@ -85,7 +74,7 @@ def lightning(out: Path) -> None:
         enable_model_summary=False,
     )
     loader = torch.utils.data.DataLoader(ps.Rows(ps.ROWS * 2 * STEPS), batch_size=ps.ROWS)
-    trainer.fit(Module(), loader)
+    trainer.fit(ps.lightning_module(), loader)
 
 
 def transformers(out: Path) -> None:
@@ -118,23 +107,12 @@ def transformers(out: Path) -> None:
 
 def ignite(out: Path) -> None:
     import torch.distributed as tdist
-    from ignite.engine import Engine
 
     from recis_async.adapters.ignite import attach
 
     tdist.init_process_group("gloo")
     rank = tdist.get_rank()
-    net = torch.nn.parallel.DistributedDataParallel(ps.Net())
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
-
-    def update(engine: Engine, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        optimizer.zero_grad()
-        loss = net(**batch)["loss"]
-        loss.backward()
-        optimizer.step()
-        return loss.detach()
-
-    engine = Engine(update)
+    engine, _ = ps.ignite_engine(torch.nn.parallel.DistributedDataParallel(ps.Net()))
     attach(engine, hooks(out, rank))
     data = ps.Rows(ps.ROWS * 2 * STEPS)
     sampler = torch.utils.data.distributed.DistributedSampler(data, shuffle=False)

@@ -91,17 +91,6 @@ def lightning(out: Path, hooks: list[Hook], resume: bool) -> None:
 
     from recis_async.adapters.lightning import RecisCallback
 
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = Net()
-
-        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
-            return self.net(**batch)["loss"]
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
     saver = ModelCheckpoint(
         dirpath=out / "ckpt", filename="{step}", every_n_train_steps=EVERY, save_top_k=-1
     )
@@ -120,7 +109,7 @@ def lightning(out: Path, hooks: list[Hook], resume: bool) -> None:
     if resume:
         ckpt = str(max((out / "ckpt").glob("*.ckpt"), key=lambda p: int(p.stem.split("=")[1])))
     loader = torch.utils.data.DataLoader(ps.Rows(ps.ROWS * STEPS), batch_size=ps.ROWS)
-    trainer.fit(Module(), loader, ckpt_path=ckpt)
+    trainer.fit(ps.lightning_module(Net()), loader, ckpt_path=ckpt)
 
 
 def transformers(out: Path, hooks: list[Hook], resume: bool) -> None:
@@ -152,22 +141,13 @@ def transformers(out: Path, hooks: list[Hook], resume: bool) -> None:
 
 
 def ignite(out: Path, hooks: list[Hook], resume: bool) -> None:
-    from ignite.engine import Engine, Events
+    from ignite.engine import Events
     from ignite.handlers import Checkpoint, DiskSaver
 
     from recis_async.adapters.ignite import attach
 
     net = Net()
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
-
-    def update(engine: Engine, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        optimizer.zero_grad()
-        loss = net(**batch)["loss"]
-        loss.backward()
-        optimizer.step()
-        return loss.detach()
-
-    engine = Engine(update)
+    engine, optimizer = ps.ignite_engine(net)
     adapter = attach(engine, hooks)
     objects = {"model": net, "optimizer": optimizer, "trainer": engine, "hooks": adapter}
     saver = Checkpoint(objects, DiskSaver(str(out / "ckpt"), require_empty=False), n_saved=None)
