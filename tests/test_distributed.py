@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
 from odps_server import TEST_ACCESS_ID, TEST_SECRET, OdpsServer, read_with_pyodps
+from subprocess_support import torchrun_argv
 
 from recis_async.hooks import list_checkpoints
 
@@ -22,26 +21,11 @@ SCRIPTS = Path(__file__).parent / "scripts"
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def torchrun(
     script: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        str(SCRIPTS / script),
-        *args,
-    ]
+    cmd = torchrun_argv(SCRIPTS / script, *args)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections import Counter
@@ -25,7 +24,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("ignite")
 
 import peers_support as ps  # noqa: E402
-from subprocess_support import wait_for  # noqa: E402
+from subprocess_support import torchrun_argv, wait_for  # noqa: E402
 from terminal import Terminal  # noqa: E402
 
 from recis_async.errors import HookError  # noqa: E402
@@ -304,13 +303,11 @@ def test_a_stop_requested_on_one_rank_stops_every_rank_at_the_same_step(
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
         "OMP_NUM_THREADS": "1",
     }
-    argv = [sys.executable, str(script), framework, str(tmp_path)]
-    if framework != "lightning":
-        with socket.socket() as free:
-            free.bind(("127.0.0.1", 0))
-            port = free.getsockname()[1]
-        argv[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node=2"]
-        argv[4:4] = ["--master_addr=127.0.0.1", f"--master_port={port}"]
+    argv = (
+        [sys.executable, str(script), framework, str(tmp_path)]  # Lightning starts rank 1
+        if framework == "lightning"
+        else torchrun_argv(script, framework, str(tmp_path))
+    )
     done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
