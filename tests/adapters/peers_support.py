@@ -234,28 +234,39 @@ def lightning_job(
 
 
 def hf_job(out: Path, callback: Any, *, rows: int, epochs: int = 1, **kw: Any) -> Any:
-    import transformers
-
-    args = transformers.TrainingArguments(
-        output_dir=str(out / "hf"),
-        per_device_train_batch_size=ROWS,
-        num_train_epochs=epochs,
-        learning_rate=0.01,
-        logging_steps=3,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        remove_unused_columns=False,
-        train_sampling_strategy="sequential",
-        **kw,
-    )
-    trainer = transformers.Trainer(
-        model=Net(), args=args, train_dataset=Rows(rows), callbacks=[callback]
-    )
+    trainer = hf_trainer(out, callback, rows=rows, num_train_epochs=epochs, **kw)
     trainer.train()
     return trainer
+
+
+def hf_trainer(
+    out: Path, callback: Any, *, rows: int, model: torch.nn.Module | None = None, **kw: Any
+) -> Any:
+    """A Hugging Face ``Trainer`` of ``model`` (a :class:`Net` by default) over ``rows`` rows
+    in order, ``ROWS`` a step, with ``callback``; ``kw``: ``TrainingArguments`` over these
+    defaults (no checkpoints, a log every 3 steps)."""
+    import transformers
+
+    settings: dict[str, Any] = {
+        "output_dir": str(out / "hf"),
+        "per_device_train_batch_size": ROWS,
+        "learning_rate": 0.01,
+        "logging_steps": 3,
+        "save_strategy": "no",
+        "report_to": [],
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+        "remove_unused_columns": False,
+        "train_sampling_strategy": "sequential",
+    }
+    args = transformers.TrainingArguments(**{**settings, **kw})
+    return transformers.Trainer(
+        model=Net() if model is None else model,
+        args=args,
+        train_dataset=Rows(rows),
+        callbacks=[callback],
+    )
 
 
 def ignite_job(

@@ -113,28 +113,17 @@ def lightning(out: Path, hooks: list[Hook], resume: bool) -> None:
 
 
 def transformers(out: Path, hooks: list[Hook], resume: bool) -> None:
-    import transformers
-
     from recis_async.adapters.transformers import RecisTrainerCallback
 
-    args = transformers.TrainingArguments(
-        output_dir=str(out / "hf"),
-        per_device_train_batch_size=ps.ROWS,
+    callback = RecisTrainerCallback(hooks)
+    trainer = ps.hf_trainer(
+        out,
+        callback,
+        rows=ps.ROWS * STEPS,
+        model=Net(),
         max_steps=STEPS,
         save_strategy="steps",
         save_steps=EVERY,
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        remove_unused_columns=False,
-        train_sampling_strategy="sequential",
-    )
-    trainer = transformers.Trainer(
-        model=Net(),
-        args=args,
-        train_dataset=ps.Rows(ps.ROWS * STEPS),
-        callbacks=[RecisTrainerCallback(hooks)],
     )
     Net.step = staticmethod(lambda: trainer.state.global_step)
     trainer.train(resume_from_checkpoint=resume or None)
